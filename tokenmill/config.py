@@ -1,0 +1,80 @@
+"""Validated configuration: the model's shape and the engine's knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+BatchingMode = Literal["continuous", "dynamic", "static"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (llama, mistral, qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the engine. `model=None` selects the bundled SmolLM2-135M-Instruct GGUF."""
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    # KV cache size: an explicit block count wins over a memory budget.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_num_partial_prefills: int = 2
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    policy: SchedulingPolicy = "fcfs"
+    # Priority units gained per second of waiting under the "priority" policy (aging against starvation).
+    priority_aging_per_s: float = 1.0
+    batching: BatchingMode = "continuous"
+    seed: int = 0
+    max_waiting_requests: int = 1024
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
+                     "kv_cache_memory_gb", "max_waiting_requests"):
+            positive(name)
+        if self.num_kv_blocks is not None:
+            positive("num_kv_blocks")
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.batching not in ("continuous", "dynamic", "static"):
+            raise ValueError(f"batching must be 'continuous', 'dynamic' or 'static', got {self.batching!r}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.priority_aging_per_s < 0:
+            raise ValueError("priority_aging_per_s must be >= 0")

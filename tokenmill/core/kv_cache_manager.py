@@ -1,0 +1,128 @@
+"""Block tables per request: on-demand allocation, release, and prefix lookup by chained block hashes.
+
+A full block's hash chains its parent's hash with its own token ids, so equal hashes mean equal prefixes (and
+the token ids are compared on every hit, so a hash collision can never serve wrong KV). Blocks are hashed as
+soon as the tokens that fill them are scheduled: the forward pass writes every layer's K/V before any attention
+reads it, so a request scheduled in the same step may already share them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenmill.core.block_pool import BlockPool, KVBlock
+from tokenmill.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixHit:
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks of each request already in the cache index
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def num_allocated_blocks(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
+
+    def _update_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
+
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        """Longest run of cached full blocks; at least one token is always left to compute."""
+        if not self.enable_caching:
+            return PrefixHit([], 0)
+        self._update_hashes(request)
+        bs = self.block_size
+        hits: list[KVBlock] = []
+        for i in range((request.num_tokens - 1) // bs):
+            block = self.pool.lookup(request.block_hashes[i], tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+        return PrefixHit(hits, len(hits) * bs)
+
+    def record_prefix_query(self, num_tokens: int, num_hits: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
+                       reserve_tokens: int = 0) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` after the computed ones (and cache hits); None when out of blocks.
+
+        `reserve_tokens` asks for capacity up to that many tokens at once (static batching reserves a
+        request's maximum length up front). Nothing is changed when the answer is None.
+        """
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        hit_blocks = hit.blocks if hit else []
+        num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        needed = cdiv(max(num_computed + num_new_tokens, reserve_tokens), self.block_size)
+        to_allocate = max(0, needed - len(blocks) - len(hit_blocks))
+        # Cache hits that sit in the free queue stop being allocatable once this request takes them.
+        hits_in_free_queue = sum(1 for b in hit_blocks if b.ref_count == 0)
+        if to_allocate > self.pool.num_free_blocks - hits_in_free_queue:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(hit_blocks)
+        blocks.extend(hit_blocks)
+        new_blocks = self.pool.allocate(to_allocate)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        self._update_hashes(request)
+        blocks = self.req_blocks[request.request_id]
+        start = self._num_hashed.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        bs = self.block_size
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], request.block_hashes[i],
+                                  tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+        self._num_hashed[request.request_id] = max(start, end)
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_blocks.pop(request_id, [])
+        self._num_hashed.pop(request_id, None)
+        self.pool.release(reversed(blocks))  # tail blocks become the first to be evicted
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self.req_blocks)
+
+    def owned_blocks(self) -> Sequence[int]:
+        return [b.block_id for blocks in self.req_blocks.values() for b in blocks]

@@ -1,0 +1,50 @@
+"""The plain-data messages between the scheduler and the executor (they could cross a process boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens fed this step (a prompt chunk, or the last sampled token)
+    start_position: int  # position of token_ids[0] = tokens already computed before this step
+    block_table: list[int]  # physical block ids of the whole sequence
+    sample: bool  # sample a next token after the last fed token (the prompt is fully computed)
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (penalties read it)
+    padding: bool = False  # static batching: a finished row that still costs compute; never sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that ended since the previous plan: the executor drops its per-request state for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    # per sampled request: token id -> logprob for the chosen token and its top-N alternatives
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    step_seconds: float = 0.0

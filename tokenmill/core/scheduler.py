@@ -1,0 +1,359 @@
+"""Iteration-level scheduler: one decision per model step under a token budget.
+
+Every request is *computed tokens catching up with known tokens*. A decode needs one token, a prompt needs the
+rest of its prompt (cut to the budget left: chunked prefill), a prefix-cache hit starts with computed tokens
+already, and a preempted request drops back to zero (recompute, reusing whatever prefix is still cached).
+
+Batching modes share this code: `continuous` admits waiting requests every step; `dynamic` admits a batch only
+when the previous one has fully finished; `static` does the same and also reserves every request's maximum
+KV up front and keeps finished rows in the batch, computing a padding token for them each step until the
+batch's longest request ends (as a padded static batch does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
+from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
+from tokenmill.request import Request, RequestStatus
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did to one request: new tokens and, at the end, why it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    kv_tokens: int = 0  # tokens whose KV is held by running requests
+    kv_reserved_tokens: int = 0  # slots in the blocks those requests hold
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_padding_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting: RequestQueue = (
+            PriorityQueue(config.priority_aging_per_s) if config.policy == "priority" else FCFSQueue()
+        )
+        self.running: list[Request] = []
+        self.padding_rows: list[Request] = []  # static mode: finished rows still holding their slot
+        self.requests: dict[str, Request] = {}
+        self._finished_since_plan: list[str] = []
+        self.total_preemptions = 0
+        self.last_stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        prompt_len = request.num_prompt_tokens
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{prompt_len} tokens and leaves no room for a completion"
+            )
+        max_tokens = request.sampling_params.max_tokens
+        limit = self.max_model_len if max_tokens is None else min(self.max_model_len, prompt_len + max_tokens)
+        request.max_total_tokens = limit
+        # A request must fit into the whole KV pool, or it would wait forever.
+        must_fit = limit if self.config.batching == "static" else prompt_len + 1
+        if cdiv(must_fit, self.kv.block_size) > self.kv.num_blocks:
+            raise ValueError(
+                f"request needs {must_fit} tokens of KV cache but the pool holds only "
+                f"{self.kv.num_blocks * self.kv.block_size}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort in any state; returns the ids that were still unfinished."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
+            aborted.append(request_id)
+        return aborted
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests for a reason found outside the core (a stop string in the detokenized text)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus, keep_slot: bool = True) -> None:
+        request.status = status
+        request.times.finished = self.clock()
+        if self.config.batching == "static" and keep_slot and request.request_id in self.kv.req_blocks:
+            self.padding_rows.append(request)
+        else:
+            self.kv.free(request.request_id)
+        del self.requests[request.request_id]
+        self._finished_since_plan.append(request.request_id)
+        if self.padding_rows and not self.running:  # the static batch is over: release its slots
+            for row in self.padding_rows:
+                self.kv.free(row.request_id)
+            self.padding_rows.clear()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or len(self.waiting))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        preempted: list[Request] = []
+        padding: list[Request] = []
+
+        for request in self.padding_rows:
+            if budget == 0:
+                break
+            padding.append(request)
+            budget -= 1
+
+        # 1. Running requests: decodes first, so prompt work can never starve them.
+        decode_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in decode_first:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim(request)
+                if victim.request_id in num_scheduled:
+                    budget += num_scheduled.pop(victim.request_id)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+
+        # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last.
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled)
+
+        return self._build_plan(num_scheduled, padding, preempted)
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
+        mode = self.config.batching
+        if mode != "continuous":
+            if self.running or self.padding_rows:
+                return budget
+            return self._form_batch(budget, num_scheduled)
+        partial = sum(1 for r in self.running
+                      if r.request_id in num_scheduled
+                      and r.num_computed_tokens + num_scheduled[r.request_id] < r.num_tokens)
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit = self.kv.find_cached_prefix(request)
+            num_new = request.num_tokens - hit.num_tokens
+            if num_new > budget:
+                if partial >= self.config.max_num_partial_prefills:
+                    break
+                num_new = budget
+                partial += 1
+            if self.kv.allocate_slots(request, num_new, hit) is None:
+                break
+            self.waiting.pop()
+            self._start_running(request, hit)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _form_batch(self, budget: int, num_scheduled: dict[str, int]) -> int:
+        """Dynamic/static: take up to max_num_seqs waiting requests as the next batch."""
+        static = self.config.batching == "static"
+        while len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit = self.kv.find_cached_prefix(request)
+            reserve = request.max_total_tokens if static else 0
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if self.kv.allocate_slots(request, num_new, hit, reserve_tokens=reserve) is None:
+                break
+            self.waiting.pop()
+            self._start_running(request, hit)
+            if num_new:
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+        return budget
+
+    def _start_running(self, request: Request, hit: PrefixHit) -> None:
+        now = self.clock()
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = hit.num_tokens
+        if request.status == RequestStatus.PREEMPTED:
+            request.num_recomputed_tokens += max(0, request.num_tokens - 1 - hit.num_tokens)
+            request.resumed_without_progress = True
+        self.kv.record_prefix_query(request.num_tokens, hit.num_tokens)
+        request.num_computed_tokens = hit.num_tokens
+        request.status = RequestStatus.RUNNING
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = now
+        self.running.append(request)
+
+    def _pick_victim(self, request: Request) -> Request:
+        """Lowest priority, then latest arrival. A request just resumed from preemption is spared until it
+        makes progress (no thrash) unless nothing else is left."""
+        candidates = [r for r in self.running if not r.resumed_without_progress or r is request]
+        if not candidates:
+            candidates = self.running
+        if self.config.policy == "priority":
+            queue = self.waiting
+            assert isinstance(queue, PriorityQueue)
+            return max(candidates, key=lambda r: (queue.key(r), r.times.arrival))
+        return max(candidates, key=lambda r: r.times.arrival)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.total_preemptions += 1
+        self.waiting.push_front(request)
+
+    def _build_plan(self, num_scheduled: dict[str, int], padding: list[Request],
+                    preempted: list[Request]) -> SchedulerOutput:
+        scheduled = []
+        prefill_tokens = decode_tokens = 0
+        for request in self.running:
+            num_new = num_scheduled.get(request.request_id, 0)
+            if not num_new:
+                continue
+            start = request.num_computed_tokens
+            scheduled.append(ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids[start:start + num_new],
+                start_position=start,
+                block_table=self.kv.block_table(request.request_id),
+                sample=start + num_new == request.num_tokens,
+                sampling_params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+            ))
+            if start >= request.num_prompt_tokens:
+                decode_tokens += num_new
+            else:
+                prefill_tokens += num_new
+            request.num_computed_tokens += num_new
+        for request in padding:
+            last = request.num_tokens - 1
+            scheduled.append(ScheduledRequest(
+                request_id=request.request_id, token_ids=[request.all_token_ids[last]], start_position=last,
+                block_table=self.kv.block_table(request.request_id), sample=False,
+                sampling_params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids, padding=True,
+            ))
+        finished, self._finished_since_plan = self._finished_since_plan, []
+        plan = SchedulerOutput(scheduled, prefill_tokens, decode_tokens,
+                               [r.request_id for r in preempted], finished)
+        self.last_stats = self._stats(plan, len(padding), len(preempted))
+        return plan
+
+    def _stats(self, plan: SchedulerOutput, num_padding: int, num_preempted: int) -> SchedulerStats:
+        kv_tokens = sum(r.num_computed_tokens for r in self.running)
+        reserved = sum(self.kv.num_allocated_blocks(r.request_id) for r in self.running + self.padding_rows)
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=self.kv.usage(),
+            kv_tokens=kv_tokens, kv_reserved_tokens=reserved * self.kv.block_size,
+            num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
+            num_padding_tokens=num_padding, num_preemptions=num_preempted,
+            prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
+        )
+
+    # ------------------------------------------------------------------ after the step
+
+    def update(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        now = self.clock()
+        outputs = []
+        for scheduled in plan.scheduled:
+            if not scheduled.sample or scheduled.padding:
+                continue
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            token = output.sampled_token_ids[scheduled.request_id]
+            request.append_output_token(token)
+            request.resumed_without_progress = False
+            logprobs = output.logprobs.get(scheduled.request_id)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            times = request.times
+            if times.first_token is None:
+                times.first_token = now
+            times.last_token = now
+            times.token_times.append(now)
+            status = self._check_stop(request, token)
+            out = EngineCoreOutput(request.request_id, [token], [logprobs] if logprobs is not None else [])
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                out.finish_reason = status.finish_reason
+                out.stop_reason = request.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_tokens >= request.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        owners = set(self.kv.req_blocks)
+        expected = {r.request_id for r in self.running} | {r.request_id for r in self.padding_rows}
+        if not owners <= expected:
+            raise AssertionError(f"blocks held by requests that are not running: {owners - expected}")

@@ -1,0 +1,55 @@
+"""The engine core: schedule -> execute -> update, one model step at a time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from tokenmill.executor.model_runner import Executor
+from tokenmill.request import Request, RequestStatus
+
+
+@dataclass
+class StepRecord:
+    """Per-step stats: what was scheduled, how long it took, the state of queues and KV."""
+
+    step: int
+    seconds: float
+    stats: SchedulerStats
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.executor = executor
+        self.clock = clock
+        self.kv = KVCacheManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, max_model_len, clock)
+        self.num_steps = 0
+        self.last_step: StepRecord | None = None
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        output = self.executor.execute(plan)
+        outputs = self.scheduler.update(plan, output)
+        self.num_steps += 1
+        self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, self.scheduler.last_stats)
+        return outputs

@@ -1,0 +1,99 @@
+"""Offline inference in vLLM's shape: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(engine_args) - known
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError("give one SamplingParams or one per prompt")
+        ids = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            ids.append(self.engine.add_request(f"offline-{id(self)}-{i}", prompt, params,
+                                               priority=priority[i] if priority else 0))
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = _Progress(len(ids)) if use_tqdm else None
+        try:
+            while len(finished) < len(ids) and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if progress:
+                        progress.tokens(sum(len(c.delta_token_ids) for c in output.outputs))
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if progress:
+                            progress.done()
+        finally:
+            if progress:
+                progress.close()
+        return [finished[i] for i in ids if i in finished]
+
+
+class _Progress:
+    """A rich progress bar with requests done and output tokens/s."""
+
+    def __init__(self, total: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             TextColumn("{task.fields[rate]}"), transient=False)
+        self._task = self._bar.add_task("gen", total=total, rate="")
+        self._tokens = 0
+        self._bar.start()
+        import time
+
+        self._start = time.perf_counter()
+        self._time = time.perf_counter
+
+    def tokens(self, count: int) -> None:
+        self._tokens += count
+        elapsed = max(self._time() - self._start, 1e-9)
+        self._bar.update(self._task, rate=f"{self._tokens / elapsed:.1f} tok/s")
+
+    def done(self) -> None:
+        self._bar.advance(self._task)
+
+    def close(self) -> None:
+        self._bar.stop()

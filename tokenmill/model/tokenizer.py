@@ -1,0 +1,187 @@
+"""Tokenizer (HF `tokenizers`), chat template (jinja2) and an incremental detokenizer for streaming."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from tokenmill.model.loader import gguf_field
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# A generic ChatML template for models that ship none.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
+                 add_bos_token: bool, chat_template: str | None) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._template = _compile_template(self.chat_template)
+
+    @property
+    def bos_token(self) -> str:
+        return "" if self.bos_token_id is None else (self.backend.id_to_token(self.bos_token_id) or "")
+
+    @property
+    def eos_token(self) -> str:
+        return "" if self.eos_token_id is None else (self.backend.id_to_token(self.eos_token_id) or "")
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_path(cls, path: str) -> Tokenizer:
+        return cls.from_hf_dir(path) if os.path.isdir(path) else cls.from_gguf(path)
+
+    @classmethod
+    def from_gguf(cls, path: str) -> Tokenizer:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        kind = gguf_field(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (supported: 'gpt2' BPE)")
+        tokens: list[str] = list(gguf_field(reader, "tokenizer.ggml.tokens"))  # type: ignore[arg-type]
+        types: list[int] = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))  # type: ignore[arg-type]
+        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]  # type: ignore[union-attr]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))  # type: ignore[arg-type]
+        steps: list[pre_tokenizers.PreTokenizer] = []
+        if gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
+            # llama.cpp's smollm pre-tokenizer splits digits one by one before the GPT-2 regex.
+            steps.append(pre_tokenizers.Digits(individual_digits=True))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL])
+        backend.add_tokens(
+            [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED])
+
+        def token_id(key: str) -> int | None:
+            value = gguf_field(reader, key)
+            return None if value is None else int(value)  # type: ignore[call-overload]
+
+        return cls(
+            backend,
+            bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
+            eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
+            add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+            chat_template=gguf_field(reader, "tokenizer.chat_template"),  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> Tokenizer:
+        backend = HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        config: dict[str, Any] = {}
+        config_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(config_path):
+            with open(config_path) as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        template_path = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.exists(template_path):
+            with open(template_path) as f:
+                template = f.read()
+
+        def token_id(name: str) -> int | None:
+            token = config.get(name)
+            if isinstance(token, dict):
+                token = token.get("content")
+            return None if token is None else backend.token_to_id(token)
+
+        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
+                   add_bos_token=bool(config.get("add_bos_token", False)), chat_template=template)
+
+    # ------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.backend.id_to_token(token_id) or ""
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        # The template writes the special tokens itself, so none are added here (as transformers does).
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas that never split a UTF-8 character.
+
+    Decodes a short window of recent tokens (`prefix_offset` .. end) and emits only what extends the text
+    already read; text ending in U+FFFD means a multi-byte character is still incomplete, so it waits. `finish`
+    emits whatever is left, so the concatenated deltas always equal the full decode.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: Sequence[int]) -> str:
+        self.token_ids.extend(token_ids)
+        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        full = self._decode(self.token_ids)
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta

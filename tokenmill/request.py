@@ -1,0 +1,93 @@
+"""A request inside the engine: known tokens, computed tokens, status and event timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything above PREEMPTED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass
+class RequestTimes:
+    """Event timestamps (time.monotonic seconds); the metrics layer turns them into histograms."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None, priority: int = 0,
+                 prompt: str | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first scheduling
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        # Set on resumption after preemption; cleared when the request makes progress again (thrash guard).
+        self.resumed_without_progress = False
+        self.max_total_tokens = 0  # set by the scheduler: prompt + max_tokens capped by the context length
+        self.times = RequestTimes(arrival=time.monotonic() if arrival_time is None else arrival_time)
+        self.logprobs: list[dict[int, float]] = []  # per output token: token id -> logprob (chosen + top-N)
+        self.block_hashes: list[int] = []  # chained hashes of its full blocks (prefix caching)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
