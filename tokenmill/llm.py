@@ -15,12 +15,14 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = set(engine_args) - known
-        if unknown:
-            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **engine_args: Any) -> None:
+        if config is None:
+            known = {f.name for f in fields(EngineConfig)}
+            unknown = set(engine_args) - known
+            if unknown:
+                raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+            config = EngineConfig(model=model, **engine_args)
+        self.engine = LLMEngine.from_config(config)
 
     @property
     def tokenizer(self):  # noqa: ANN201

@@ -18,6 +18,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far (penalties read it)
     padding: bool = False  # static batching: a finished row that still costs compute; never sampled
+    banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids masked before min_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -276,6 +276,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
+                banned_token_ids=self._banned_tokens(request),
             ))
             if start >= request.num_prompt_tokens:
                 decode_tokens += num_new
@@ -295,6 +296,15 @@ class Scheduler:
                                [r.request_id for r in preempted], finished)
         self.last_stats = self._stats(plan, len(padding), len(preempted))
         return plan
+
+    @staticmethod
+    def _banned_tokens(request: Request) -> list[int]:
+        """Before min_tokens, EOS and stop token ids cannot be sampled (vLLM's min_tokens semantics)."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else list(request.eos_token_ids)
+        return eos + list(params.stop_token_ids)
 
     def _stats(self, plan: SchedulerOutput, num_padding: int, num_preempted: int) -> SchedulerStats:
         kv_tokens = sum(r.num_computed_tokens for r in self.running)

@@ -38,7 +38,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         loaded = load_model(config.model)
-        tokenizer = Tokenizer.from_path(loaded.path)
+        tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
         runner = ModelRunner(config, loaded.config, loaded.weights)
         model_len = loaded.config.max_position_embeddings
         max_model_len = min(config.max_model_len or model_len, model_len)

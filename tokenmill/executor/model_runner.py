@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.executor.sampler import Sampler, SamplingRow
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.llama import LlamaForCausalLM
@@ -67,12 +67,8 @@ class ModelRunner:
         return generator
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        start_time = time.perf_counter()
-        for request_id in plan.finished_request_ids:
-            self._generators.pop(request_id, None)
-        if plan.is_empty:
-            return ModelRunnerOutput({})
+    def compute_logits(self, plan: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        """Run the flat batch; logits [N, vocab] of the requests that sample this step (in plan order)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -81,6 +77,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
         for s in plan.scheduled:
             table = s.block_table
             input_ids.extend(s.token_ids)
@@ -92,19 +89,31 @@ class ModelRunner:
             tables.append(table)
             if s.sample and not s.padding:
                 sample_rows.append(len(input_ids) - 1)
+                sampled.append(s)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, bs, self.device)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             meta,
         )
-        sampled = [s for s in plan.scheduled if s.sample and not s.padding]
         if not sampled:
+            return sampled, None
+        return sampled, self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        start_time = time.perf_counter()
+        for request_id in plan.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if plan.is_empty:
+            return ModelRunnerOutput({})
+        sampled, logits = self.compute_logits(plan)
+        if logits is None:
             return ModelRunnerOutput({}, step_seconds=time.perf_counter() - start_time)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         rows = [
             SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
-                        None if s.sampling_params.greedy else self._generator(s.request_id, s.sampling_params.seed))
+                        None if s.sampling_params.greedy else self._generator(s.request_id, s.sampling_params.seed),
+                        s.banned_token_ids)
             for s in sampled
         ]
         result = self.sampler(logits, rows)

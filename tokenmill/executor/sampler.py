@@ -23,6 +23,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None  # None for greedy rows
+    banned_token_ids: Sequence[int] = ()  # masked to -inf (min_tokens not reached yet)
 
 
 @dataclass
@@ -79,6 +80,9 @@ class Sampler:
         if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
                for r in rows):
             logits = apply_penalties(logits.clone(), rows)
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, list(row.banned_token_ids)] = float("-inf")
 
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

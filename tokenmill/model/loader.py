@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,17 +73,21 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     path: str
+    gguf_reader: object | None = None  # kept so the tokenizer need not parse the file again
 
 
 def load_model(model: str | None) -> LoadedModel:
     path = resolve_model_path(model)
     if os.path.isdir(path):
         config, weights = _load_hf_dir(path)
-    elif path.endswith(".gguf"):
-        config, weights = _load_gguf(path)
-    else:
-        raise ValueError(f"unsupported model {path!r}: give a .gguf file or a directory with config.json")
-    return LoadedModel(config, weights, path)
+        return LoadedModel(config, weights, path)
+    if path.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        config, weights = _load_gguf(reader)
+        return LoadedModel(config, weights, path, reader)
+    raise ValueError(f"unsupported model {path!r}: give a .gguf file or a directory with config.json")
 
 
 # ---------------------------------------------------------------- GGUF
@@ -137,11 +142,9 @@ def gguf_model_config(reader: object) -> ModelConfig:
     )
 
 
-def _load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from gguf import GGUFReader
+def _load_gguf(reader: Any) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
     config = gguf_model_config(reader)
     # llama.cpp permutes q/k rows only for architectures it converts with interleaved rotary (llama family).
     permuted = config.architecture in ("llama", "mistral")

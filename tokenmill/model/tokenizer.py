@@ -46,14 +46,15 @@ class Tokenizer:
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def from_path(cls, path: str) -> Tokenizer:
-        return cls.from_hf_dir(path) if os.path.isdir(path) else cls.from_gguf(path)
+    def from_path(cls, path: str, gguf_reader: Any = None) -> Tokenizer:
+        return cls.from_hf_dir(path) if os.path.isdir(path) else cls.from_gguf(path, gguf_reader)
 
     @classmethod
-    def from_gguf(cls, path: str) -> Tokenizer:
-        from gguf import GGUFReader
+    def from_gguf(cls, path: str, reader: Any = None) -> Tokenizer:
+        if reader is None:
+            from gguf import GGUFReader
 
-        reader = GGUFReader(path)
+            reader = GGUFReader(path)
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (supported: 'gpt2' BPE)")

@@ -1,0 +1,135 @@
+"""`tokenmill generate | serve | bench` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from tokenmill.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    g.add_argument("--device", default=defaults.device)
+    g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=defaults.block_size)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=defaults.kv_cache_memory_gb)
+    g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    g.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--policy", default=defaults.policy, choices=["fcfs", "priority"])
+    g.add_argument("--priority-aging-per-s", type=float, default=defaults.priority_aging_per_s)
+    g.add_argument("--batching", default=defaults.batching, choices=["continuous", "dynamic", "static"])
+    g.add_argument("--seed", type=int, default=defaults.seed)
+    g.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
+        priority_aging_per_s=args.priority_aging_per_s, batching=args.batching, seed=args.seed,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenmill.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.sampling_seed, stop=args.stop)
+    records: list[dict[str, Any]] = []
+    if args.input:
+        with open(args.input) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    records += [{"prompt": p} for p in args.prompts]
+    if not records:
+        print("give a prompt or --input prompts.jsonl", file=sys.stderr)
+        return 2
+    llm = LLM(config=engine_config_from_args(args))
+    prompts: list[Any] = []
+    for record in records:
+        if "messages" in record or args.chat:
+            messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+            prompts.append({"prompt_token_ids": llm.tokenizer.encode_chat(messages)})
+        elif "prompt_token_ids" in record:
+            prompts.append({"prompt_token_ids": record["prompt_token_ids"]})
+        else:
+            prompts.append(record["prompt"])
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 or bool(args.input))
+    if args.output:
+        with open(args.output, "w") as f:
+            for record, out in zip(records, outputs):
+                c = out.outputs[0]
+                f.write(json.dumps({**record, "generated_text": c.text, "token_ids": c.token_ids,
+                                    "finish_reason": c.finish_reason,
+                                    "prompt_tokens": len(out.prompt_token_ids)}) + "\n")
+        print(f"wrote {len(outputs)} results to {args.output}", file=sys.stderr)
+    else:
+        for out in outputs:
+            print(out.outputs[0].text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.app import run_server
+
+    run_server(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
+               served_model_name=args.served_model_name, log_level=args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation on the engine")
+    gen.add_argument("prompts", nargs="*", help="prompt texts")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--input", help="JSONL file: one {prompt | messages | prompt_token_ids} per line")
+    gen.add_argument("--output", help="JSONL file for the results")
+    add_engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"))
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--log-level", default="info")
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
