@@ -1,0 +1,192 @@
+"""Loading: GGUF of every supported tensor type and HF safetensors directories (llama, mistral, qwen2),
+each checked against transformers loading the same files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
+from tokenmill.executor.model_runner import ModelRunner
+from tokenmill.model.loader import load_model
+from tokenmill.sampling_params import SamplingParams
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 300
+
+
+def _our_logits(path: str, ids: list[int]) -> torch.Tensor:
+    loaded = load_model(path)
+    runner = ModelRunner(EngineConfig(num_kv_blocks=8), loaded.config, loaded.weights)
+    plan = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(8)), True, SamplingParams(), ids, [])])
+    _, logits = runner.compute_logits(plan)
+    assert logits is not None
+    return logits[0]
+
+
+def _hf_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+# ------------------------------------------------------------------ GGUF with every tensor type
+
+
+def _k_quant_bytes(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks with sane fp16 scales (gguf-py can dequantize K-quants but not quantize them)."""
+    blocks = rows * cols // 256
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
+    raw = rng.integers(0, 256, size=(blocks, size), dtype=np.uint8)
+    scale = np.array([0.002], dtype=np.float16).view(np.uint8)
+    if kind == "Q6_K":
+        raw[:, 208:210] = scale
+    else:
+        raw[:, 0:2] = scale
+        raw[:, 2:4] = np.array([0.001], dtype=np.float16).view(np.uint8)
+    return raw.reshape(rows, cols // 256 * size)
+
+
+def _permute_for_gguf(w: np.ndarray, heads: int) -> np.ndarray:
+    # what llama.cpp's converter does to q/k rows
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tiny_gguf(path: str) -> None:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    tokens = [f"t{i}" for i in range(VOCAB)]
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    types = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    counter = iter(range(10_000))
+
+    def add(name: str, shape: tuple[int, ...], scale: float = 0.05, permute_heads: int = 0) -> None:
+        value = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if len(shape) == 1:
+            writer.add_tensor(name, 1.0 + value)
+            return
+        if permute_heads:
+            value = _permute_for_gguf(value, permute_heads)
+        kind = types[next(counter) % len(types)]
+        if kind.name.endswith("_K"):
+            writer.add_tensor(name, _k_quant_bytes(kind.name, *shape, rng), raw_dtype=kind)
+        elif kind == Q.F32:
+            writer.add_tensor(name, value)
+        elif kind == Q.F16:
+            writer.add_tensor(name, value.astype(np.float16))
+        else:
+            writer.add_tensor(name, quantize(value, kind), raw_dtype=kind)
+
+    add("token_embd.weight", (VOCAB, HIDDEN), 0.5)
+    add("output_norm.weight", (HIDDEN,))
+    add("output.weight", (VOCAB, HIDDEN))
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", (HIDDEN,))
+        add(p + "ffn_norm.weight", (HIDDEN,))
+        add(p + "attn_q.weight", (HIDDEN, HIDDEN), permute_heads=HEADS)
+        add(p + "attn_k.weight", (KV_HEADS * 64, HIDDEN), permute_heads=KV_HEADS)
+        add(p + "attn_v.weight", (KV_HEADS * 64, HIDDEN))
+        add(p + "attn_output.weight", (HIDDEN, HIDDEN))
+        add(p + "ffn_gate.weight", (FFN, HIDDEN))
+        add(p + "ffn_up.weight", (FFN, HIDDEN))
+        add(p + "ffn_down.weight", (HIDDEN, FFN))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_with_every_tensor_type_matches_transformers(tmp_path) -> None:  # noqa: ANN001
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path / "tiny.gguf")
+    _write_tiny_gguf(path)
+    kinds = {t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"} <= kinds
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    ids = [5, 17, 42, 99, 7, 250, 3, 11]
+    ours, expected = _our_logits(path, ids), _hf_logits(hf, ids)
+    assert (ours - expected).abs().max() / expected.abs().max() < 1e-4
+
+
+# ------------------------------------------------------------------ HF directories
+
+
+def _tiny_hf_model(kind: str):  # noqa: ANN202
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, AutoModelForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+    config = {"llama": lambda: LlamaConfig(**common, rope_theta=50000.0, tie_word_embeddings=False),
+              "mistral": lambda: MistralConfig(**common, sliding_window=None),
+              "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=True)}[kind]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if kind == "qwen2":  # make the qkv biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.5)
+                layer.self_attn.k_proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_hf_safetensors_dir_matches_transformers(tmp_path, kind: str) -> None:  # noqa: ANN001
+    model = _tiny_hf_model(kind)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    assert any(f.endswith(".safetensors") for f in os.listdir(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["model_type"] == kind
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    ours, expected = _our_logits(str(tmp_path), ids), _hf_logits(model, ids)
+    assert (ours - expected).abs().max() / expected.abs().max() < 1e-4
+
+
+def test_bundled_model_saved_as_hf_dir_runs_end_to_end(tmp_path, hf_model, hf_tokenizer) -> None:  # noqa: ANN001
+    from tokenmill import LLM, SamplingParams
+
+    from safetensors.torch import save_file
+
+    # transformers will not re-serialize a GGUF-loaded model, so write the HF layout by hand.
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf_tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), num_kv_blocks=64)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
+    ids = hf_tokenizer("The capital of France is").input_ids
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
+    assert out.outputs[0].token_ids == expected.tolist()
+    assert out.outputs[0].text == hf_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_missing_model_path_is_a_clear_error() -> None:
+    with pytest.raises(FileNotFoundError, match="never downloaded"):
+        load_model("/nonexistent/model.gguf")
