@@ -137,7 +137,7 @@ def test_gguf_with_every_tensor_type_matches_transformers(tmp_path) -> None:  # 
 
 
 def _tiny_hf_model(kind: str):  # noqa: ANN202
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -167,9 +167,9 @@ def test_hf_safetensors_dir_matches_transformers(tmp_path, kind: str) -> None:  
 
 
 def test_bundled_model_saved_as_hf_dir_runs_end_to_end(tmp_path, hf_model, hf_tokenizer) -> None:  # noqa: ANN001
-    from tokenmill import LLM, SamplingParams
-
     from safetensors.torch import save_file
+
+    from tokenmill import LLM, SamplingParams
 
     # transformers will not re-serialize a GGUF-loaded model, so write the HF layout by hand.
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}

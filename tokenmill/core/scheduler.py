@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
+from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from tokenmill.request import Request, RequestStatus
@@ -77,16 +77,15 @@ class Scheduler:
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{prompt_len} tokens and leaves no room for a completion"
             )
+        # A sequence can never outgrow the whole KV pool: that caps its length like the context limit does.
+        capacity = self.kv.num_blocks * self.kv.block_size
         max_tokens = request.sampling_params.max_tokens
-        limit = self.max_model_len if max_tokens is None else min(self.max_model_len, prompt_len + max_tokens)
+        limit = min(self.max_model_len, capacity)
+        if max_tokens is not None:
+            limit = min(limit, prompt_len + max_tokens)
+        if prompt_len >= capacity or (self.config.batching == "static" and prompt_len + (max_tokens or 0) > capacity):
+            raise ValueError(f"request needs more KV cache than the whole pool holds ({capacity} tokens)")
         request.max_total_tokens = limit
-        # A request must fit into the whole KV pool, or it would wait forever.
-        must_fit = limit if self.config.batching == "static" else prompt_len + 1
-        if cdiv(must_fit, self.kv.block_size) > self.kv.num_blocks:
-            raise ValueError(
-                f"request needs {must_fit} tokens of KV cache but the pool holds only "
-                f"{self.kv.num_blocks * self.kv.block_size}"
-            )
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -144,13 +143,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: list[Request] = []
-        padding: list[Request] = []
-
-        for request in self.padding_rows:
-            if budget == 0:
-                break
-            padding.append(request)
-            budget -= 1
+        # Static mode: finished rows of the batch still run (outside the token budget, as the padded rows of a
+        # fixed-size batch do: the batch size, not the budget, bounds them).
+        padding = list(self.padding_rows)
 
         # 1. Running requests: decodes first, so prompt work can never starve them.
         decode_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
