@@ -11,7 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor.model_runner import Executor, ModelRunner
-from tokenmill.model.loader import load_model
+from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
@@ -38,7 +38,11 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         loaded = load_model(config.model)
-        tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
+        return cls.from_loaded(config, loaded, Tokenizer.from_path(loaded.path, loaded.gguf_reader))
+
+    @classmethod
+    def from_loaded(cls, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer) -> LLMEngine:
+        """An engine over weights already in memory (benchmarks and tests build several from one load)."""
         runner = ModelRunner(config, loaded.config, loaded.weights)
         model_len = loaded.config.max_position_embeddings
         max_model_len = min(config.max_model_len or model_len, model_len)
