@@ -71,6 +71,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def check_request(self, request: Request) -> None:
+        """Reject what can never run (ValueError); set the request's length limit. Safe from any thread."""
         prompt_len = request.num_prompt_tokens
         if prompt_len >= self.max_model_len:
             raise ValueError(
@@ -86,8 +92,6 @@ class Scheduler:
         if prompt_len >= capacity or (self.config.batching == "static" and prompt_len + (max_tokens or 0) > capacity):
             raise ValueError(f"request needs more KV cache than the whole pool holds ({capacity} tokens)")
         request.max_total_tokens = limit
-        self.requests[request.request_id] = request
-        self.waiting.push(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Abort in any state; returns the ids that were still unfinished."""

@@ -51,5 +51,12 @@ class EngineCore:
         output = self.executor.execute(plan)
         outputs = self.scheduler.update(plan, output)
         self.num_steps += 1
-        self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, self.scheduler.last_stats)
+        stats = self.scheduler.last_stats
+        # queue and memory state as the step leaves it (finished requests are gone)
+        stats.num_running, stats.num_waiting, stats.kv_usage = self.current_state()
+        self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats)
         return outputs
+
+    def current_state(self) -> tuple[int, int, float]:
+        """(running, waiting, KV usage) right now."""
+        return len(self.scheduler.running), self.scheduler.num_waiting, self.kv.usage()

@@ -66,10 +66,14 @@ class LLMEngine:
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         return None, list(prompt)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> str:
-        params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
+    def make_requests(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[str | None, list[int], list[Request]]:
+        """Tokenize and validate; one engine request per sample (n > 1 fans out with seeds seed, seed+1, ...).
+
+        Raises ValueError for anything that could never run, before any engine state changes.
+        """
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -86,6 +90,15 @@ class LLMEngine:
                         self.eos_token_ids, arrival, priority, text)
                 for i in range(params.n)
             ]
+        for child in children:
+            self.core.scheduler.check_request(child)
+        return text, token_ids, children
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        text, token_ids, children = self.make_requests(request_id, prompt, params or SamplingParams(),
+                                                       arrival_time, priority)
         added: list[str] = []
         try:
             for child in children:

@@ -1,0 +1,57 @@
+"""Start a real `tokenmill serve` process on a free loopback port for the server tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    url: str
+    proc: subprocess.Popen[str]
+
+
+@contextmanager
+def live_server(*args: str, timeout: float = 120.0) -> Iterator[LiveServer]:
+    port = free_port()
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="2")
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{proc.stdout.read() if proc.stdout else ''}")
+            try:
+                if httpx.get(base + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.25)
+        yield LiveServer(base, proc)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,288 @@
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.metrics import EngineMetrics
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.responses import ResponseBuilder
+
+logger = logging.getLogger("tokenmill.server")
+T = TypeVar("T")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, err_type: str = "invalid_request_error",
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+        self.headers = headers or {}
+
+
+def error_response(status: int, message: str, err_type: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    return (f"{param}: {message}" if param else message), param
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client goes away first (so the request is aborted)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    listener = asyncio.ensure_future(wait_disconnect())
+    done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        listener.cancel()
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected
+
+
+def default_model_name(config: EngineConfig) -> str:
+    if config.model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(config.model.rstrip("/"))
+    return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name
+
+
+def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    model_name = served_model_name or default_model_name(engine.config)
+    llm = AsyncLLM(engine)
+    metrics = EngineMetrics(model_name)
+    llm.step_listeners.append(metrics.on_step)
+    llm.state_listeners.append(metrics.set_idle)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await llm.start()
+        yield
+        await llm.shutdown()
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan)
+    app.state.llm = llm
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), err_type)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {api_key}":
+            raise APIError(401, "invalid or missing API key", "authentication_error")
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model_name:
+            raise APIError(404, f"the model `{requested}` does not exist", "not_found_error", "model")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not llm.is_running:
+            return error_response(503, "the engine is not running", "service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
+            "max_model_len": engine.max_model_len,
+        }]}
+
+    def submit(request_id: str, prompt: Any, params: Any, priority: int) -> RequestStream:
+        try:
+            return llm.add_request(request_id, prompt, params, priority)
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), "rate_limit_exceeded", headers={"Retry-After": "1"}) from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "service_unavailable") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    async def serve(builder: ResponseBuilder, prompts: list[Any], params: Any, priority: int, stream: bool,
+                    include_usage: bool, http_request: Request) -> Response:
+        # Submit every prompt before awaiting any, closing them all if one is rejected.
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(submit(f"{builder.response_id}-{i}", prompt, params, priority))
+        except APIError:
+            for s in streams:
+                s.close()
+            raise
+        merged = _merge(streams, metrics)
+        if stream:
+            return StreamingResponse(_sse(builder, merged, include_usage), media_type="text/event-stream")
+
+        async def collect() -> dict[str, Any]:
+            async for index, output in merged:
+                builder.update(index, output)
+            return builder.final()
+
+        try:
+            return JSONResponse(await run_until_disconnect(http_request, collect()))
+        except ClientDisconnected:
+            await merged.aclose()  # type: ignore[attr-defined]
+            return Response(status_code=499)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "service_unavailable") from exc
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(body: CompletionRequest, http_request: Request) -> Response:
+        check_model(body.model)
+        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
+        prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]
+        builder = ResponseBuilder("completion", model_name, engine.tokenizer, len(prompts), params.n,
+                                  logprobs=body.logprobs)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await serve(builder, prompts, params, body.priority, body.stream, include_usage, http_request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
+        check_model(body.model)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        top = body.top_logprobs or 0
+        params = _params(lambda: body.sampling_params(max_tokens, top if body.logprobs else None))
+        try:
+            prompt_ids = engine.tokenizer.encode_chat(body.conversation(), body.add_generation_prompt)
+        except Exception as exc:  # a template that rejects the conversation
+            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+        builder = ResponseBuilder("chat", model_name, engine.tokenizer, 1, params.n,
+                                  logprobs=top if body.logprobs else None)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,
+                           include_usage, http_request)
+
+    return app
+
+
+def _params(make: Callable[[], Any]) -> Any:
+    try:
+        return make()
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+async def _merge(streams: list[RequestStream], metrics: EngineMetrics) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several prompts' output streams, tagging each output with its prompt index. Closing the
+    merged iterator (or cancelling its consumer) aborts every unfinished request."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                if output.finished:
+                    metrics.on_finished(output)
+                await queue.put((index, output))
+            await queue.put((index, None))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((index, exc))
+        finally:
+            stream.close()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def _sse(builder: ResponseBuilder, merged: AsyncIterator[tuple[int, RequestOutput]],
+               include_usage: bool) -> AsyncIterator[str]:
+    try:
+        for chunk in builder.opening_chunks(include_usage):
+            yield f"data: {json.dumps(chunk)}\n\n"
+        async for index, output in merged:
+            for chunk in builder.delta_chunks(index, output, include_usage):
+                yield f"data: {json.dumps(chunk)}\n\n"
+        if include_usage:
+            yield f"data: {json.dumps(builder.usage_chunk())}\n\n"
+        yield "data: [DONE]\n\n"
+    except (APIError, EngineDeadError) as exc:
+        err = exc if isinstance(exc, APIError) else APIError(503, str(exc), "service_unavailable")
+        body = {"error": {"message": err.message, "type": err.err_type, "param": err.param, "code": err.status}}
+        yield f"data: {json.dumps(body)}\n\n"
+    finally:
+        await merged.aclose()  # type: ignore[attr-defined]
+
+
+def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               served_model_name: str | None = None, log_level: str = "info") -> None:
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine.from_config(config)
+    app = build_app(engine, served_model_name, api_key)
+    logger.info("serving %s on http://%s:%d (KV blocks: %d x %d tokens)", served_model_name or
+                default_model_name(config), host, port, engine.core.kv.num_blocks, config.block_size)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                access_log=os.environ.get("TOKENMILL_ACCESS_LOG") == "1")
+

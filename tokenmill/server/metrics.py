@@ -1,0 +1,83 @@
+"""Prometheus metrics, named like vLLM's with a `tokenmill:` prefix.
+
+The core only timestamps events; this module turns them into histograms when a request finishes and reads
+gauges and counters from each step's stats.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenmill.engine.core import StepRecord
+from tokenmill.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Inter-token latency", labels,
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("tokenmill:request_queue_time_seconds", "Time waiting before first scheduled",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("tokenmill:num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge("tokenmill:num_requests_waiting", "Requests waiting to be scheduled", labels,
+                             registry=r)
+        self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", labels,
+                              registry=r)
+        self.prefix_queries = Counter("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
+                                   registry=r)
+        self.preemptions = Counter("tokenmill:num_preemptions", "Preemptions", labels, registry=r)
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated", labels, registry=r)
+        self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
+                               labels + ["finished_reason"], registry=r)
+        self.model_name = model_name
+        self._last_queries = 0
+        self._last_hits = 0
+
+    def on_step(self, record: StepRecord) -> None:
+        s = record.stats
+        m = self.model_name
+        self.running.labels(m).set(s.num_running)
+        self.waiting.labels(m).set(s.num_waiting)
+        self.kv_usage.labels(m).set(s.kv_usage)
+        if s.num_preemptions:
+            self.preemptions.labels(m).inc(s.num_preemptions)
+        if s.prefix_queries > self._last_queries:
+            self.prefix_queries.labels(m).inc(s.prefix_queries - self._last_queries)
+            self._last_queries = s.prefix_queries
+        if s.prefix_hits > self._last_hits:
+            self.prefix_hits.labels(m).inc(s.prefix_hits - self._last_hits)
+            self._last_hits = s.prefix_hits
+
+    def set_idle(self, running: int, waiting: int, kv_usage: float) -> None:
+        m = self.model_name
+        self.running.labels(m).set(running)
+        self.waiting.labels(m).set(waiting)
+        self.kv_usage.labels(m).set(kv_usage)
+
+    def on_finished(self, output: RequestOutput) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+        for completion, times in zip(output.outputs, output.metrics):
+            self.generation_tokens.labels(m).inc(len(completion.token_ids))
+            self.success.labels(m, completion.finish_reason or "unknown").inc()
+            if times.first_token_time is not None:
+                self.ttft.labels(m).observe(times.first_token_time - times.arrival_time)
+            for earlier, later in zip(times.token_times, times.token_times[1:]):
+                self.itl.labels(m).observe(later - earlier)
+            if times.finished_time is not None:
+                self.e2e.labels(m).observe(times.finished_time - times.arrival_time)
+            if times.first_scheduled_time is not None:
+                self.queue_time.labels(m).observe(times.first_scheduled_time - times.arrival_time)

@@ -1,0 +1,149 @@
+"""Builds OpenAI response bodies and stream chunks from RequestOutputs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class ChoiceState:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs_sent: int = 0
+
+
+class ResponseBuilder:
+    def __init__(self, kind: Literal["completion", "chat"], model: str, tokenizer: Tokenizer, num_prompts: int,
+                 n: int, logprobs: int | None) -> None:
+        self.kind = kind
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n = n
+        self.top_logprobs = logprobs
+        self.response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.choices = [ChoiceState() for _ in range(num_prompts * n)]
+        self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
+
+    # ------------------------------------------------------------------ state
+
+    def update(self, prompt_index: int, output: RequestOutput) -> list[tuple[int, CompletionOutput]]:
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.cached_tokens[prompt_index] = output.num_cached_tokens
+        changed = []
+        for completion in output.outputs:
+            index = prompt_index * self.n + completion.index
+            state = self.choices[index]
+            state.text = completion.text
+            state.token_ids = completion.token_ids
+            state.logprobs = completion.logprobs or []
+            state.finish_reason = completion.finish_reason
+            state.stop_reason = completion.stop_reason
+            if completion.delta_text or completion.delta_token_ids or completion.finish_reason:
+                changed.append((index, completion))
+        return changed
+
+    def usage(self) -> dict[str, Any]:
+        completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        prompt_tokens = sum(self.prompt_tokens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, state: ChoiceState, start: int, end: int, text_offset: int) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        entries = list(zip(state.token_ids[start:end], state.logprobs[start:end]))
+        top_n = self.top_logprobs
+        if self.kind == "chat":
+            content = []
+            for token_id, entry in entries:
+                token = self._token(token_id)
+                top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+                content.append({
+                    "token": token, "logprob": entry[token_id], "bytes": list(token.encode("utf-8")),
+                    "top_logprobs": [{"token": self._token(t), "logprob": lp,
+                                      "bytes": list(self._token(t).encode("utf-8"))} for t, lp in top],
+                })
+            return {"content": content}
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = text_offset
+        for token_id, entry in entries:
+            token = self._token(token_id)
+            tokens.append(token)
+            token_logprobs.append(entry[token_id])
+            tops.append({self._token(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]})
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    # ------------------------------------------------------------------ bodies
+
+    def final(self) -> dict[str, Any]:
+        choices = []
+        for index, state in enumerate(self.choices):
+            logprobs = self._logprobs(state, 0, len(state.token_ids), 0)
+            if self.kind == "chat":
+                choices.append({"index": index, "message": {"role": "assistant", "content": state.text},
+                                "logprobs": logprobs, "finish_reason": state.finish_reason,
+                                "stop_reason": state.stop_reason})
+            else:
+                choices.append({"index": index, "text": state.text, "logprobs": logprobs,
+                                "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
+        return {"id": self.response_id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created, "model": self.model, "choices": choices,
+        }
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def opening_chunks(self, include_usage: bool = False) -> list[dict[str, Any]]:
+        if self.kind != "chat":
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], include_usage) for i in range(len(self.choices))]
+
+    def delta_chunks(self, prompt_index: int, output: RequestOutput, include_usage: bool) -> list[dict[str, Any]]:
+        chunks = []
+        for index, completion in self.update(prompt_index, output):
+            state = self.choices[index]
+            end = len(state.token_ids)
+            logprobs = self._logprobs(state, state.logprobs_sent, end, len(state.text) - len(completion.delta_text))
+            state.logprobs_sent = end
+            if self.kind == "chat":
+                delta = {"content": completion.delta_text} if completion.delta_text else {}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": completion.finish_reason}
+            else:
+                choice = {"index": index, "text": completion.delta_text, "logprobs": logprobs,
+                          "finish_reason": completion.finish_reason}
+            if completion.finish_reason:
+                choice["stop_reason"] = completion.stop_reason
+            chunks.append(self._chunk([choice], include_usage))
+        return chunks
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.response_id,
+                "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
