@@ -6,6 +6,8 @@ import asyncio
 import json
 import logging
 import os
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -283,6 +285,9 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, 
     app = build_app(engine, served_model_name, api_key)
     logger.info("serving %s on http://%s:%d (KV blocks: %d x %d tokens)", served_model_name or
                 default_model_name(config), host, port, engine.core.kv.num_blocks, config.block_size)
+    # uvicorn drains requests on SIGTERM, stops the engine (lifespan), then re-raises the signal to the handler
+    # that was installed before it: make that one a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                 access_log=os.environ.get("TOKENMILL_ACCESS_LOG") == "1")
 

@@ -43,6 +43,10 @@ class EngineMetrics:
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
                                labels + ["finished_reason"], registry=r)
         self.model_name = model_name
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting, self.kv_usage,
+                       self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
+                       self.generation_tokens):
+            metric.labels(model_name)  # exposed (at zero) from the start
         self._last_queries = 0
         self._last_hits = 0
 
