@@ -88,3 +88,12 @@ def llm():  # noqa: ANN201
     from tokenmill import LLM
 
     return LLM()
+
+
+@pytest.fixture(scope="session")
+def base_url():  # noqa: ANN201
+    """One live `tokenmill serve` on loopback with the bundled model, shared by the server and bench tests."""
+    from tokenmill.bench.server_process import live_server
+
+    with live_server() as server:
+        yield server.url

@@ -18,12 +18,6 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def base_url():  # noqa: ANN201
-    with live_server() as server:
-        yield server.url
-
-
-@pytest.fixture(scope="module")
 def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 

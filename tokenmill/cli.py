@@ -127,6 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from tokenmill.bench import serve_cli, sweep
+
+    bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
+    serve_cli.add_args(bench_serve)
+    bench_serve.set_defaults(func=serve_cli.main)
+    bench_sweep = bench_sub.add_parser("sweep", help="run the serving experiments, write docs/BENCHMARKS.md")
+    sweep.add_args(bench_sweep)
+    bench_sweep.set_defaults(func=sweep.main)
+
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -1,0 +1,60 @@
+"""Run `tokenmill serve` as a child process on a free loopback port (benchmarks and tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    url: str
+    proc: subprocess.Popen[str]
+
+
+@contextmanager
+def live_server(*args: str, timeout: float = 180.0, quiet: bool = True) -> Iterator[LiveServer]:
+    """Start a server with the given `tokenmill serve` flags, wait until /health answers, stop it after."""
+    port = free_port()
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT,
+                            text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                output = proc.stdout.read() if proc.stdout else ""
+                raise RuntimeError(f"server exited early:\n{output}")
+            try:
+                if httpx.get(base + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.25)
+        yield LiveServer(base, proc)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
