@@ -42,6 +42,15 @@ def _load(url: str, items: list[workloads.WorkItem], rate: float, seed: int) -> 
     return asyncio.run(run_load(url, MODEL, items, rate, seed=seed, progress=False, token_prompts=True))
 
 
+def _save(fig: Any, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(PLOTS / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 # ------------------------------------------------------------------ 1. batching modes vs request rate
 
 
@@ -79,11 +88,7 @@ def plot_rates(data: dict[str, Any]) -> str:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    path = PLOTS / "rates.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(fig, "rates.png")
 
 
 # ------------------------------------------------------------------ 2. long prompt interference
@@ -124,11 +129,7 @@ def plot_interference(data: dict[str, Any]) -> str:
     ax.set_yscale("log")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = PLOTS / "interference.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(fig, "interference.png")
 
 
 # ------------------------------------------------------------------ 3. prefix caching
@@ -165,11 +166,7 @@ def plot_prefix(data: dict[str, Any]) -> str:
     ax.set_ylabel("share of requests")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = PLOTS / "prefix_ttft_cdf.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(fig, "prefix_ttft_cdf.png")
 
 
 # ------------------------------------------------------------------ 4. KV memory
@@ -198,11 +195,7 @@ def plot_kv(data: dict[str, Any]) -> str:
     ax.set_ylim(0, 100)
     for i, v in enumerate(shares):
         ax.text(i, v + 1, f"{v:.0f}%", ha="center")
-    fig.tight_layout()
-    path = PLOTS / "kv_memory.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(fig, "kv_memory.png")
 
 
 # ------------------------------------------------------------------ report

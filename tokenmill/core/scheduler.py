@@ -94,22 +94,15 @@ class Scheduler:
         request.max_total_tokens = limit
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Abort in any state; returns the ids that were still unfinished."""
-        aborted = []
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is None or request.is_finished:
-                continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
-            aborted.append(request_id)
-        return aborted
+        """Abort in any state (a static batch's slot is released at once); returns the ids still unfinished."""
+        return self._end(request_ids, RequestStatus.FINISHED_ABORTED, keep_slot=False)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
         """Finish requests for a reason found outside the core (a stop string in the detokenized text)."""
+        return self._end(request_ids, status, keep_slot=True)
+
+    def _end(self, request_ids: Iterable[str], status: RequestStatus, keep_slot: bool) -> list[str]:
+        ended = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
@@ -118,7 +111,9 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._finish(request, status)
+            self._finish(request, status, keep_slot)
+            ended.append(request_id)
+        return ended
 
     def _finish(self, request: Request, status: RequestStatus, keep_slot: bool = True) -> None:
         request.status = status
