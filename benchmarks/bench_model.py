@@ -47,6 +47,19 @@ def decode_throughput(runner: ModelRunner, batch: int, prompt_len: int, steps: i
     return batch * steps / elapsed, elapsed / steps
 
 
+def prefill_throughput(runner: ModelRunner, prompt_len: int, repeats: int = 2) -> float:
+    """Prompt tokens/s for one sequence's whole prompt in one step."""
+    bs = runner.block_size
+    table = list(range(-(-prompt_len // bs)))
+    prompt = [(j * 13) % 1000 + 100 for j in range(prompt_len)]
+    plan = SchedulerOutput([ScheduledRequest("p", prompt, 0, table, True, SamplingParams(temperature=0.0), prompt, [])])
+    runner.execute(plan)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        runner.execute(plan)
+    return prompt_len * repeats / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -58,7 +71,7 @@ def main() -> None:
 
     loaded = load_model(None)
     max_batch = max(args.batches)
-    blocks = max_batch * (-(-(args.prompt_len + args.steps + 1) // 16)) + 1
+    blocks = max(max_batch * (-(-(args.prompt_len + args.steps + 1) // 16)), 2048 // 16) + 1
     runner = ModelRunner(EngineConfig(device=args.device, num_kv_blocks=blocks), loaded.config, loaded.weights)
     decode_throughput(runner, 1, 16, 4)  # warm-up
     rows = []
@@ -66,6 +79,11 @@ def main() -> None:
         tps, step = decode_throughput(runner, batch, args.prompt_len, args.steps)
         rows.append([batch, round(tps, 1), round(step * 1000, 1)])
         print(f"batch {batch:3d}: {tps:8.1f} output tokens/s, {step * 1000:7.1f} ms/step", flush=True)
+    prefill_rows = []
+    for length in (128, 512, 2048):
+        tps = prefill_throughput(runner, length)
+        prefill_rows.append([length, round(tps, 1)])
+        print(f"prefill {length:5d} tokens: {tps:8.1f} prompt tokens/s", flush=True)
     single = rows[0][1] if rows[0][0] == 1 else None
     body = "\n".join([
         "## Model execution (`python benchmarks/bench_model.py`)",
@@ -77,6 +95,10 @@ def main() -> None:
         f"Single-sequence decode: **{single} tokens/s**." if single else "",
         "",
         markdown_table(["batch", "output tokens/s", "ms/step"], rows),
+        "",
+        "Prefill (one prompt in one step):",
+        "",
+        markdown_table(["prompt tokens", "prompt tokens/s"], prefill_rows),
     ])
     if not args.no_write:
         write_section("model", body)

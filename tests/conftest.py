@@ -11,6 +11,8 @@ import torch
 from tokenmill.model.loader import bundled_model_path
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# TOKENMILL_TEST_DEVICE=cuda runs the model tests (parity, batch invariance, equivalence) on a GPU.
+DEVICE = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 LONG_PARAGRAPH = (
@@ -87,7 +89,7 @@ def tokenizer(loaded_model):  # noqa: ANN001, ANN201
 def llm():  # noqa: ANN201
     from tokenmill import LLM
 
-    return LLM()
+    return LLM(device=DEVICE)
 
 
 @pytest.fixture(scope="session")

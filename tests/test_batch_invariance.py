@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.conftest import LONG_PARAGRAPH
+from tests.conftest import DEVICE, LONG_PARAGRAPH
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
 from tokenmill.executor.model_runner import ModelRunner
@@ -20,7 +20,8 @@ DECODE_STEPS = 6
 
 @pytest.fixture(scope="module")
 def runner(loaded_model) -> ModelRunner:  # noqa: ANN001
-    return ModelRunner(EngineConfig(num_kv_blocks=256, block_size=BLOCK), loaded_model.config, loaded_model.weights)
+    config = EngineConfig(num_kv_blocks=256, block_size=BLOCK, device=DEVICE)
+    return ModelRunner(config, loaded_model.config, loaded_model.weights)
 
 
 class Seq:
@@ -55,7 +56,7 @@ def run(runner: ModelRunner, seqs: list[Seq], rng: random.Random | None = None) 
         by_name = {s.name: s for s in seqs}
         for req, row in zip(sampled, logits):
             seq = by_name[req.request_id]
-            seq.logits.append(row.clone())
+            seq.logits.append(row.cpu())
             seq.tokens.append(int(row.argmax()))
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tests.conftest import LONG_PARAGRAPH
+from tests.conftest import DEVICE, LONG_PARAGRAPH
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
@@ -35,7 +35,7 @@ def workload(tokenizer) -> list[tuple[list[int], SamplingParams]]:  # noqa: ANN0
 
 
 def make_engine(loaded_model, tokenizer, **config) -> LLMEngine:  # noqa: ANN001
-    return LLMEngine.from_loaded(EngineConfig(**config), loaded_model, tokenizer)
+    return LLMEngine.from_loaded(EngineConfig(device=DEVICE, **config), loaded_model, tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import CHAT_PROMPTS, PLAIN_PROMPTS
+from tests.conftest import CHAT_PROMPTS, DEVICE, PLAIN_PROMPTS
 from tokenmill import SamplingParams
 
 NEW_TOKENS = 48
@@ -50,7 +50,7 @@ def test_first_step_logits_match_transformers(loaded_model, hf_model, prompt_ids
     from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
     from tokenmill.executor.model_runner import ModelRunner
 
-    runner = ModelRunner(EngineConfig(num_kv_blocks=80), loaded_model.config, loaded_model.weights)
+    runner = ModelRunner(EngineConfig(num_kv_blocks=80, device=DEVICE), loaded_model.config, loaded_model.weights)
     ids = prompt_ids[-4]  # a long one
     table = list(range(-(-len(ids) // 16)))
     plan = SchedulerOutput([ScheduledRequest("a", ids, 0, table, True, SamplingParams(), ids, [])])
@@ -58,4 +58,4 @@ def test_first_step_logits_match_transformers(loaded_model, hf_model, prompt_ids
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0, -1]
     assert logits is not None
-    assert (logits[0] - expected).abs().max() / expected.abs().max() < 1e-4
+    assert (logits[0].cpu() - expected).abs().max() / expected.abs().max() < 1e-4

@@ -290,16 +290,17 @@ def write_report(args: argparse.Namespace, rates: dict[str, Any], inter: dict[st
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, float("inf")])
-    parser.add_argument("--max-num-seqs", type=int, default=16)
+    # More requests than batch slots: refilling freed slots is what continuous batching adds.
+    parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, float("inf")])
+    parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--slo-ttft", type=float, default=5.0)
     parser.add_argument("--slo-tpot", type=float, default=0.4)
     parser.add_argument("--long-prompt", type=int, default=3000)
     parser.add_argument("--prefix-requests", type=int, default=20)
     parser.add_argument("--prefix-rate", type=float, default=0.5)
-    parser.add_argument("--kv-requests", type=int, default=16)
+    parser.add_argument("--kv-requests", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -115,16 +115,18 @@ def paged_attention(
         )
         out[meta.decode_rows] = attn.squeeze(2)
     for p in meta.prefills:
-        query = q[p.start:p.end].transpose(0, 1)  # [heads, q, hd]
+        # 4-D [1, heads, q, hd] inputs: torch's CPU flash kernel only takes batched 4-D tensors; 3-D ones fall
+        # back to the math path, which is 6x slower on a 3,000-token prompt.
+        query = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
         if p.mask is None:  # no cached context: the new tokens are the whole sequence
-            keys = k[p.start:p.end].transpose(0, 1)
-            values = v[p.start:p.end].transpose(0, 1)
+            keys = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            values = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
                                                   enable_gqa=True)
         else:
             keys = k_cache[p.block_table].reshape(-1, num_kv_heads, head_dim)[: p.seq_len].transpose(0, 1)
             values = v_cache[p.block_table].reshape(-1, num_kv_heads, head_dim)[: p.seq_len].transpose(0, 1)
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, scale=scale,
-                                                  enable_gqa=True)
-        out[p.start:p.end] = attn.transpose(0, 1)
+            attn = F.scaled_dot_product_attention(query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=p.mask,
+                                                  scale=scale, enable_gqa=True)
+        out[p.start:p.end] = attn[0].transpose(0, 1)
     return out
