@@ -28,6 +28,7 @@ generate: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check tokenmill tests benchmarks
+	$(BIN)/mypy tokenmill
 
 test: $(STAMP) lint
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/pytest -q -ra $(ARGS)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, cast
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -25,17 +27,13 @@ class LLM:
         self.engine = LLMEngine.from_config(config)
 
     @property
-    def tokenizer(self):  # noqa: ANN201
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -73,6 +71,15 @@ class LLM:
         return [finished[i] for i in ids if i in finished]
 
 
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids or dict) or a sequence of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [cast(Sequence[int], prompts)]
+    return list(cast(Sequence[PromptType], prompts))
+
+
 class _Progress:
     """A rich progress bar with requests done and output tokens/s."""
 
@@ -84,14 +91,11 @@ class _Progress:
         self._task = self._bar.add_task("gen", total=total, rate="")
         self._tokens = 0
         self._bar.start()
-        import time
-
         self._start = time.perf_counter()
-        self._time = time.perf_counter
 
     def tokens(self, count: int) -> None:
         self._tokens += count
-        elapsed = max(self._time() - self._start, 1e-9)
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
         self._bar.update(self._task, rate=f"{self._tokens / elapsed:.1f} tok/s")
 
     def done(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20
 
@@ -74,6 +74,4 @@ class SamplingParams:
 
     def with_seed(self, seed: int | None) -> SamplingParams:
         """A copy for one of n samples (each gets its own seed so the samples differ)."""
-        from dataclasses import replace
-
         return replace(self, n=1, seed=seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> 
 
 
 def summarize(results: Sequence[RequestResult], duration: float, slo_ttft: float | None = None,
-              slo_tpot: float | None = None) -> dict[str, object]:
+              slo_tpot: float | None = None) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)

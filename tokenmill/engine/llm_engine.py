@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor.model_runner import Executor, ModelRunner
@@ -52,7 +53,7 @@ class LLMEngine:
         return cls(config, tokenizer, runner, max_model_len, tuple(sorted(eos)), loaded.config.vocab_size)
 
     @property
-    def scheduler(self):  # noqa: ANN201 - convenience for tests and stats
+    def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -52,7 +52,7 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(model_config.num_layers)
         ]
-        for layer, cache in zip(self.model.layers, self.kv_caches):
+        for layer, cache in zip(self.model.decoder_layers, self.kv_caches):
             layer.self_attn.kv_cache = cache
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}

@@ -7,6 +7,8 @@ into one matmul each (fewer, larger GEMMs are faster on every backend).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
@@ -117,6 +121,10 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat token batch."""
         x = self.embed_tokens(input_ids)
@@ -144,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.copy_(take("lm_head.weight"))
         else:
             remaining.pop("lm_head.weight", None)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))

@@ -93,8 +93,8 @@ def load_model(model: str | None) -> LoadedModel:
 # ---------------------------------------------------------------- GGUF
 
 
-def gguf_field(reader: object, key: str, default: object = None) -> object:
-    fields = reader.fields  # type: ignore[attr-defined]
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    fields = reader.fields
     if key not in fields:
         return default
     return fields[key].contents()
@@ -107,38 +107,38 @@ def _reverse_rotary_permutation(weight: torch.Tensor, n_heads: int) -> torch.Ten
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def gguf_model_config(reader: object) -> ModelConfig:
+def gguf_model_config(reader: Any) -> ModelConfig:
     arch = str(gguf_field(reader, "general.architecture"))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {SUPPORTED_ARCHITECTURES})")
 
-    def get(key: str, default: object = None) -> object:
+    def get(key: str, default: Any = None) -> Any:
         return gguf_field(reader, f"{arch}.{key}", default)
 
-    hidden = int(get("embedding_length"))  # type: ignore[arg-type]
-    heads = int(get("attention.head_count"))  # type: ignore[arg-type]
-    kv_heads = int(get("attention.head_count_kv", heads))  # type: ignore[arg-type]
-    tokens = reader.fields["tokenizer.ggml.tokens"]  # type: ignore[attr-defined]
-    vocab = int(get("vocab_size", len(tokens.data)))  # type: ignore[arg-type]
-    tensor_names = {t.name for t in reader.tensors}  # type: ignore[attr-defined]
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    vocab = int(get("vocab_size", len(tokens.data)))
+    tensor_names = {t.name for t in reader.tensors}
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),  # type: ignore[arg-type]
-        num_layers=int(get("block_count")),  # type: ignore[arg-type]
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(get("attention.key_length", hidden // heads)),  # type: ignore[arg-type]
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),  # type: ignore[arg-type]
-        rope_theta=float(get("rope.freq_base", 10000.0)),  # type: ignore[arg-type]
-        max_position_embeddings=int(get("context_length", 2048)),  # type: ignore[arg-type]
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=None if bos is None else int(bos),  # type: ignore[arg-type]
-        eos_token_ids=() if eos is None else (int(eos),),  # type: ignore[arg-type]
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
     )
 
 
@@ -174,38 +174,38 @@ def _hf_name(gguf_name: str) -> str:
 # ---------------------------------------------------------------- HF directory
 
 
-def hf_model_config(raw: dict[str, object]) -> ModelConfig:
+def hf_model_config(raw: dict[str, Any]) -> ModelConfig:
     model_type = str(raw.get("model_type", "llama"))
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_ARCHITECTURES})")
-    heads = int(raw["num_attention_heads"])  # type: ignore[arg-type]
-    hidden = int(raw["hidden_size"])  # type: ignore[arg-type]
+    heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
     rope = raw.get("rope_parameters") or {}
-    theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0)
+    theta = raw.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
     scaling = raw.get("rope_scaling") or (rope if isinstance(rope, dict) else {})
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) not in (
         "default", None
     ):
         raise ValueError(f"rope scaling {scaling!r} is not supported yet")
     eos = raw.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))  # type: ignore[arg-type]
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     bos = raw.get("bos_token_id")
     head_dim = raw.get("head_dim") or hidden // heads
     return ModelConfig(
         architecture=model_type,
-        vocab_size=int(raw["vocab_size"]),  # type: ignore[arg-type]
+        vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),  # type: ignore[arg-type]
-        num_layers=int(raw["num_hidden_layers"]),  # type: ignore[arg-type]
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),  # type: ignore[arg-type]
-        head_dim=int(head_dim),  # type: ignore[arg-type]
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
-        rope_theta=float(theta),  # type: ignore[arg-type]
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),  # type: ignore[arg-type]
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        bos_token_id=None if bos is None else int(bos),  # type: ignore[arg-type]
+        bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
     )
 

@@ -58,11 +58,11 @@ class Tokenizer:
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (supported: 'gpt2' BPE)")
-        tokens: list[str] = list(gguf_field(reader, "tokenizer.ggml.tokens"))  # type: ignore[arg-type]
-        types: list[int] = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))  # type: ignore[arg-type]
-        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]  # type: ignore[union-attr]
+        tokens: list[str] = list(gguf_field(reader, "tokenizer.ggml.tokens"))
+        types: list[int] = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))  # type: ignore[arg-type]
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         steps: list[pre_tokenizers.PreTokenizer] = []
         if gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
             # llama.cpp's smollm pre-tokenizer splits digits one by one before the GPT-2 regex.
@@ -77,14 +77,14 @@ class Tokenizer:
 
         def token_id(key: str) -> int | None:
             value = gguf_field(reader, key)
-            return None if value is None else int(value)  # type: ignore[call-overload]
+            return None if value is None else int(value)
 
         return cls(
             backend,
             bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
             eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
             add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
-            chat_template=gguf_field(reader, "tokenizer.chat_template"),  # type: ignore[arg-type]
+            chat_template=gguf_field(reader, "tokenizer.chat_template"),
         )
 
     @classmethod
