@@ -39,7 +39,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def _load(url: str, items: list[workloads.WorkItem], rate: float, seed: int) -> tuple[list[RequestResult], float]:
-    return asyncio.run(run_load(url, MODEL, items, rate, seed=seed, progress=False, token_prompts=True))
+    return asyncio.run(run_load(url, MODEL, items, rate, seed=seed, progress=True, token_prompts=True))
 
 
 def _save(fig: Any, name: str) -> str:
