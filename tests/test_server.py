@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import time
 
@@ -13,6 +12,7 @@ import openai
 import pytest
 
 from tests.server_utils import live_server
+from tokenmill.server.metrics import metric_value
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -164,9 +164,9 @@ def test_short_request_finishes_while_long_streams_run(base_url: str) -> None:
 
 
 def _metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
-    assert match, f"{name} not exposed"
-    return float(match.group(1))
+    value = metric_value(text, name)
+    assert value is not None, f"{name} not exposed"
+    return value
 
 
 def test_fifty_streaming_clients_disconnect_and_resources_return(base_url: str) -> None:

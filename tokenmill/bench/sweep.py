@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import statistics
 import time
 from typing import Any
@@ -28,14 +27,10 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.model.loader import load_model
 from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.server.metrics import metric_value
 
 MODEL = "SmolLM2-135M-Instruct"
 PLOTS = DOC.parent / "plots"
-
-
-def _metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def _load(url: str, items: list[workloads.WorkItem], rate: float, seed: int) -> tuple[list[RequestResult], float]:
@@ -143,8 +138,8 @@ def exp_prefix(tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, Any]
         with live_server(*flags) as srv:
             results, duration = _load(srv.url, items, args.prefix_rate, args.seed)
             text = httpx.get(srv.url + "/metrics").text
-        queries = _metric(text, "tokenmill:prefix_cache_queries_total")
-        hits = _metric(text, "tokenmill:prefix_cache_hits_total")
+        queries = metric_value(text, "tokenmill:prefix_cache_queries_total") or 0.0
+        hits = metric_value(text, "tokenmill:prefix_cache_hits_total") or 0.0
         summary = summarize(results, duration)
         out["on" if caching else "off"] = {"summary": summary, "hit_rate": hits / queries if queries else 0.0,
                                            "ttfts": sorted(r.ttft for r in results if r.ttft is not None)}
@@ -203,7 +198,7 @@ def plot_kv(data: dict[str, Any]) -> str:
 
 def _sustained(results: dict[float, dict[str, Any]], share: float) -> str:
     ok = [r for r, s in results.items() if r != float("inf") and s["good_share"] >= share]
-    return f"{max(ok):g} req/s" if ok else "none tested"
+    return f"{max(ok):g} req/s" if ok else "none of the tested rates"
 
 
 def write_report(args: argparse.Namespace, rates: dict[str, Any], inter: dict[str, Any], prefix: dict[str, Any],
@@ -247,8 +242,9 @@ def write_report(args: argparse.Namespace, rates: dict[str, Any], inter: dict[st
         f"### 1. Batching modes versus request rate (`mixed`, {args.num_requests} requests per point, prompts "
         f"32-512 tokens, outputs 8-{args.max_output} heavy-tailed, max_num_seqs={args.max_num_seqs})",
         "",
-        f"SLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; \"good\" is the share of requests within "
-        "both (goodput). Highest tested Poisson rate with >= 90% good requests: " + ", ".join(
+        "Each rate point has its own seeded workload (the same one for all three modes): compare modes within a "
+        "rate. " + f"SLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; \"good\" is the share of requests "
+        "within both (goodput). Highest tested Poisson rate with >= 90% good requests: " + ", ".join(
             f"{m} {_sustained(rates['results'][m], 0.9)}" for m in rates["modes"]) + ".",
         "",
         markdown_table(["mode", "rate (req/s)", "output tok/s", "req/s", "TTFT p50 (s)", "TTFT p90 (s)",

@@ -6,6 +6,8 @@ gauges and counters from each step's stats.
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.engine.core import StepRecord
@@ -13,6 +15,12 @@ from tokenmill.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+def metric_value(exposition: str, name: str) -> float | None:
+    """The first sample of `name` in Prometheus text exposition (any labels), or None when absent."""
+    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", exposition, re.M)
+    return float(match.group(1)) if match else None
 
 
 class EngineMetrics:
