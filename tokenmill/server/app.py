@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -79,6 +80,8 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
         listener.cancel()
         return task.result()
     task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # let the work's cleanup (aborting its requests) finish first
     raise ClientDisconnected
 
 
