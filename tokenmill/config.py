@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 BatchingMode = Literal["continuous", "dynamic", "static"]
@@ -56,7 +56,6 @@ class EngineConfig:
     batching: BatchingMode = "continuous"
     seed: int = 0
     max_waiting_requests: int = 1024
-    extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -87,11 +87,6 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = ()
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self._cached.values()):
-            if block.ref_count == 0:
-                self._evict(block)
-
     def check_integrity(self, owners: dict[str, list[KVBlock]]) -> None:
         """Every block is free xor referenced, and ref counts equal the number of owning requests."""
         counts = [0] * self.num_blocks

@@ -8,7 +8,6 @@ reads it, so a request scheduled in the same step may already share them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.core.block_pool import BlockPool, KVBlock
@@ -123,6 +122,3 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.req_blocks)
-
-    def owned_blocks(self) -> Sequence[int]:
-        return [b.block_id for blocks in self.req_blocks.values() for b in blocks]

@@ -48,4 +48,3 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     # per sampled request: token id -> logprob for the chosen token and its top-N alternatives
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    step_seconds: float = 0.0

@@ -49,7 +49,6 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.step_listeners: list[StepListener] = []
         self.state_listeners: list[Callable[[int, int, float], None]] = []  # after commands applied when idle
-        self.errored: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -66,7 +65,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.errored is None
+        return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ engine thread
 
@@ -141,9 +140,6 @@ class AsyncLLM:
 
     def num_waiting(self) -> int:
         return self.engine.core.scheduler.num_waiting + sum(1 for kind, _ in list(self._commands) if kind == "add")
-
-    def num_running(self) -> int:
-        return len(self.engine.core.scheduler.running)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None) -> RequestStream:

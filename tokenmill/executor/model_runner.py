@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from typing import Protocol
 
 import torch
@@ -102,14 +101,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        start_time = time.perf_counter()
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
         if plan.is_empty:
             return ModelRunnerOutput({})
         sampled, logits = self.compute_logits(plan)
         if logits is None:
-            return ModelRunnerOutput({}, step_seconds=time.perf_counter() - start_time)
+            return ModelRunnerOutput({})
         rows = [
             SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
                         None if s.sampling_params.greedy else self._generator(s.request_id, s.sampling_params.seed),
@@ -120,5 +118,4 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(sampled, result.token_ids)},
             logprobs={s.request_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None},
-            step_seconds=time.perf_counter() - start_time,
         )
