@@ -89,7 +89,7 @@ def tokenizer(loaded_model):  # noqa: ANN001, ANN201
 def llm():  # noqa: ANN201
     from tokenmill import LLM
 
-    return LLM(device=DEVICE)
+    return LLM(device=DEVICE, quantization="none")  # the exact float32 path: token parity with transformers
 
 
 @pytest.fixture(scope="session")

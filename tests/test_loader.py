@@ -21,7 +21,7 @@ HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 300
 
 def _our_logits(path: str, ids: list[int]) -> torch.Tensor:
     loaded = load_model(path)
-    runner = ModelRunner(EngineConfig(num_kv_blocks=8), loaded.config, loaded.weights)
+    runner = ModelRunner(EngineConfig(num_kv_blocks=8, quantization="none"), loaded.config, loaded.weights)
     plan = SchedulerOutput([ScheduledRequest("x", ids, 0, list(range(8)), True, SamplingParams(), ids, [])])
     _, logits = runner.compute_logits(plan)
     assert logits is not None
@@ -178,7 +178,7 @@ def test_bundled_model_saved_as_hf_dir_runs_end_to_end(tmp_path, hf_model, hf_to
     config.pop("quantization_config", None)
     (tmp_path / "config.json").write_text(json.dumps(config))
     hf_tokenizer.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), num_kv_blocks=64)
+    llm = LLM(str(tmp_path), num_kv_blocks=64, quantization="none")
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
     ids = hf_tokenizer("The capital of France is").input_ids
     with torch.no_grad():

@@ -50,7 +50,8 @@ def test_first_step_logits_match_transformers(loaded_model, hf_model, prompt_ids
     from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
     from tokenmill.executor.model_runner import ModelRunner
 
-    runner = ModelRunner(EngineConfig(num_kv_blocks=80, device=DEVICE), loaded_model.config, loaded_model.weights)
+    config = EngineConfig(num_kv_blocks=80, device=DEVICE, quantization="none")
+    runner = ModelRunner(config, loaded_model.config, loaded_model.weights)
     ids = prompt_ids[-4]  # a long one
     table = list(range(-(-len(ids) // 16)))
     plan = SchedulerOutput([ScheduledRequest("a", ids, 0, table, True, SamplingParams(), ids, [])])

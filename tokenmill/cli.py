@@ -17,6 +17,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     g.add_argument("--device", default=defaults.device)
     g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--quantization", "-q", default=defaults.quantization, choices=["auto", "none", "int8", "bf16"],
+                   help="linear-layer weights: auto = fastest this CPU supports; none = float32, exact")
     g.add_argument("--block-size", type=int, default=defaults.block_size)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory-gb", type=float, default=defaults.kv_cache_memory_gb)
@@ -34,7 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,

@@ -41,6 +41,9 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    # Linear-layer weights (model/quant.py): "auto" picks the fastest mode this machine supports at start-up;
+    # "none" keeps the float32 path that is token-exact with transformers.
+    quantization: str = "auto"
     block_size: int = 16
     # KV cache size: an explicit block count wins over a memory budget.
     num_kv_blocks: int | None = None
@@ -75,5 +78,7 @@ class EngineConfig:
             raise ValueError(f"batching must be 'continuous', 'dynamic' or 'static', got {self.batching!r}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.quantization not in ("auto", "none", "int8", "bf16"):
+            raise ValueError(f"quantization must be auto, none, int8 or bf16, got {self.quantization!r}")
         if self.priority_aging_per_s < 0:
             raise ValueError("priority_aging_per_s must be >= 0")

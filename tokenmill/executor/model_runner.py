@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import random
+from collections.abc import Mapping
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.executor.sampler import Sampler, SamplingRow
-from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.attention import AttentionMetadata, allocate_kv_cache
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.quant import resolve_quantization
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -37,18 +44,29 @@ def num_kv_blocks_for(config: EngineConfig, model: ModelConfig) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
         self.block_size = config.block_size
-        model = LlamaForCausalLM(model_config)
+        # Quantized linears keep float32 activations; --dtype float16/bfloat16 runs the whole model in that dtype.
+        if config.dtype != "float32" and config.quantization != "none":
+            if config.quantization != "auto":
+                raise ValueError(f"--quantization {config.quantization} needs --dtype float32 (activations stay "
+                                 f"float32; the weights carry the reduced precision)")
+            self.quantization = "none"
+        else:
+            self.quantization = resolve_quantization(config.quantization, config.device)
+        logger.info("linear layers: %s (--quantization %s), %d threads", self.quantization, config.quantization,
+                    torch.get_num_threads())
+        model = LlamaForCausalLM(model_config, self.quantization)
         model.load_weights(weights)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # .to(dtype) would also cast bf16 weight buffers, so only a float32-linear model changes dtype.
+        model.to(device=self.device)
+        self.model = (model if self.dtype == torch.float32 else model.to(dtype=self.dtype)).eval()
         self.num_kv_blocks = num_kv_blocks_for(config, model_config)
-        shape = (self.num_kv_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            allocate_kv_cache(self.num_kv_blocks, config.block_size, model_config.num_kv_heads,
+                              model_config.head_dim, self.dtype, self.device)
             for _ in range(model_config.num_layers)
         ]
         for layer, cache in zip(self.model.decoder_layers, self.kv_caches):
@@ -65,39 +83,54 @@ class ModelRunner:
             self._generators[request_id] = generator
         return generator
 
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, np.ndarray]:
+        """Hidden states [T, hidden] of the flat batch, and each request's last row in it."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        for s in scheduled:
+            input_ids.extend(s.token_ids)
+        query_lens = np.fromiter((s.num_tokens for s in scheduled), np.int64, len(scheduled))
+        starts = np.fromiter((s.start_position for s in scheduled), np.int64, len(scheduled))
+        max_blocks = max(len(s.block_table) for s in scheduled)
+        tables = np.zeros((len(scheduled), max_blocks), np.int64)
+        for i, s in enumerate(scheduled):
+            tables[i, :len(s.block_table)] = s.block_table
+        # Per token: its sequence, its position, and the slot its K/V goes to; no per-token Python loop.
+        seq_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
+        first_row = np.cumsum(query_lens) - query_lens
+        positions = starts[seq_of_token] + np.arange(len(input_ids)) - first_row[seq_of_token]
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata.build(query_lens, starts + query_lens, tables, slots, bs, self.device)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.from_numpy(positions).to(self.device),
+            meta,
+        )
+        return hidden, first_row + query_lens - 1
+
     @torch.inference_mode()
     def compute_logits(self, plan: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         """Run the flat batch; logits [N, vocab] of the requests that sample this step (in plan order)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sampled: list[ScheduledRequest] = []
-        for s in plan.scheduled:
-            table = s.block_table
-            input_ids.extend(s.token_ids)
-            span = range(s.start_position, s.start_position + s.num_tokens)
-            positions.extend(span)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-            query_lens.append(s.num_tokens)
-            seq_lens.append(s.start_position + s.num_tokens)
-            tables.append(table)
-            if s.sample and not s.padding:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(s)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, bs, self.device)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            meta,
-        )
-        if not sampled:
-            return sampled, None
-        return sampled, self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        hidden, last_rows = self._forward(plan.scheduled)
+        sample_index = [i for i, s in enumerate(plan.scheduled) if s.sample and not s.padding]
+        if not sample_index:
+            return [], None
+        sample_rows = torch.from_numpy(last_rows[sample_index]).to(self.device)
+        return [plan.scheduled[i] for i in sample_index], self.model.compute_logits(hidden[sample_rows])
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len, vocab] after every token of one sequence run as a single prompt (teacher forcing).
+
+        For quality measurements (perplexity, agreement between modes): it writes KV blocks 0..n, so call it
+        only on a runner that serves nothing else.
+        """
+        table = list(range(-(-len(token_ids) // self.block_size)))
+        if len(table) > self.num_kv_blocks:
+            raise ValueError(f"{len(token_ids)} tokens need {len(table)} KV blocks; the cache has {self.num_kv_blocks}")
+        request = ScheduledRequest("score", list(token_ids), 0, table, False, SamplingParams(), list(token_ids), [])
+        hidden, _ = self._forward([request])
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,21 +1,27 @@
 """Paged attention over a flat batch: a clear torch reference that runs on CPU and CUDA.
 
-The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]. A sequence's
+The KV cache of one layer is two tensors of `num_blocks` blocks (layout in `allocate_kv_cache`). A sequence's
 logical token i lives in physical block `block_table[i // block_size]` at offset `i % block_size`; blocks of a
 sequence need not be contiguous or ordered. Each step first writes the new tokens' K/V at their slots
 (`slot_mapping`), then every sequence attends over its own blocks: causally within the newly scheduled tokens
 and fully over its cached context.
 
-Sequences with one query token (decodes) are attended in one batched call; sequences with several query tokens
-(prompt chunks) one call each, since padding a 512-token chunk against 63 decodes would waste 64x the work.
+On CPU one native kernel (`tokenmill/kernels/paged_attention.c`) attends the whole flat batch, reading K/V in
+place from the blocks, with the same float operations for a token whatever its batch or chunking. Elsewhere
+(GPU, or no C compiler) the torch reference runs: sequences with one query token (decodes) in one batched SDPA
+over their gathered blocks, sequences with several (prompt chunks) one flash-SDPA call each, since padding a
+512-token chunk against 63 decodes would waste 64x the work.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from tokenmill import kernels
 
 
 @dataclass
@@ -32,65 +38,79 @@ class PrefillSlice:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of every new token
+    query_start: torch.Tensor  # [B+1] sequence i owns flat rows query_start[i] .. query_start[i+1]
+    seq_lens: torch.Tensor  # [B] context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] padded physical block ids
+    # The torch reference path's split: decodes batched, prompt chunks one by one.
     decode_rows: torch.Tensor  # [Bd] flat rows of single-token sequences
     decode_block_tables: torch.Tensor  # [Bd, max_blocks]
-    decode_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool: key index < seq_len
+    decode_seq_lens: torch.Tensor  # [Bd] context length including this step's token
     prefills: list[PrefillSlice]
     block_size: int
 
     @staticmethod
     def build(
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-        slot_mapping: list[int],
+        query_lens: np.ndarray,  # [B] tokens scheduled per sequence
+        seq_lens: np.ndarray,  # [B] context length after this step
+        block_tables: np.ndarray,  # [B, max_blocks] padded physical block ids
+        slot_mapping: np.ndarray,  # [T]
         block_size: int,
         device: torch.device,
     ) -> AttentionMetadata:
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        starts = np.cumsum(query_lens) - query_lens
+        is_decode = query_lens == 1
+        decode_lens = seq_lens[is_decode]
+        max_blocks = int(-(-decode_lens.max() // block_size)) if len(decode_lens) else 0
         prefills: list[PrefillSlice] = []
-        start = 0
-        for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
-            num_blocks = -(-seq_len // block_size)
-            if q_len == 1:
-                decode_rows.append(start)
-                decode_tables.append(table[:num_blocks])
-                decode_lens.append(seq_len)
-            else:
-                mask = None
-                if seq_len != q_len:
-                    # query i sits at absolute position seq_len - q_len + i and sees keys up to it.
-                    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-                    mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-                prefills.append(
-                    PrefillSlice(start, start + q_len, seq_len,
-                                 torch.tensor(table[:num_blocks], dtype=torch.long, device=device), mask)
-                )
-            start += q_len
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-        keys = torch.arange(max_blocks * block_size, device=device)
-        lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+        for i in np.flatnonzero(~is_decode).tolist():
+            q_len, seq_len, start = int(query_lens[i]), int(seq_lens[i]), int(starts[i])
+            mask = None
+            if seq_len != q_len:
+                # query j sits at absolute position seq_len - q_len + j and sees keys up to it.
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            table = torch.from_numpy(block_tables[i, :-(-seq_len // block_size)]).to(device)
+            prefills.append(PrefillSlice(start, start + q_len, seq_len, table, mask))
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).reshape(
-                len(padded), max_blocks
-            ),
-            decode_mask=(keys[None, :] < lens[:, None])[:, None, None, :],
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start=torch.from_numpy(np.append(starts, starts[-1] + query_lens[-1])).to(device),
+            seq_lens=torch.from_numpy(seq_lens).to(device),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(device),
+            decode_rows=torch.from_numpy(starts[is_decode]).to(device),
+            decode_block_tables=torch.from_numpy(np.ascontiguousarray(block_tables[is_decode, :max_blocks])).to(device),
+            decode_seq_lens=torch.from_numpy(decode_lens).to(device),
             prefills=prefills,
             block_size=block_size,
         )
 
 
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (K, V) cache. K keeps each block's keys transposed, [blocks, kv_heads, head_dim, block], so a
+    block's scores are one vector over its tokens; V is [blocks, kv_heads, block, head_dim]."""
+    k_cache = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
+    v_cache = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+    return k_cache, v_cache
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    block_size = v_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, :, :, offsets] = k
+    v_cache[blocks, :, offsets, :] = v
+
+
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of whole blocks, [B, kv_heads, blocks * block_size, head_dim] for block_tables [B, blocks]."""
+    bsz, num_blocks = block_tables.shape
+    _, num_kv_heads, head_dim, block_size = k_cache.shape
+    keys = k_cache[block_tables].permute(0, 2, 1, 4, 3)  # [B, kvh, blocks, block, hd]
+    values = v_cache[block_tables].transpose(1, 2)  # [B, kvh, blocks, block, hd]
+    shape = (bsz, num_kv_heads, num_blocks * block_size, head_dim)
+    return keys.reshape(shape), values.reshape(shape)
 
 
 def paged_attention(
@@ -103,17 +123,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if kernels.attention_supported(q, k_cache):
+        kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, scale)
+        return out
     if meta.decode_rows.numel():
-        bsz, max_blocks = meta.decode_block_tables.shape
-        # [B, max_blocks, block, kvh, hd] -> [B, kvh, L, hd]
-        keys = k_cache[meta.decode_block_tables].reshape(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[meta.decode_block_tables].reshape(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
-        query = q[meta.decode_rows].unsqueeze(2)  # [B, heads, 1, hd]
-        attn = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[meta.decode_rows] = attn.squeeze(2)
+        out[meta.decode_rows] = _decode_attention_torch(q[meta.decode_rows], k_cache, v_cache, meta, scale)
     for p in meta.prefills:
         # 4-D [1, heads, q, hd] inputs: torch's CPU flash kernel only takes batched 4-D tensors; 3-D ones fall
         # back to the math path, which is 6x slower on a 3,000-token prompt.
@@ -124,9 +138,19 @@ def paged_attention(
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
                                                   enable_gqa=True)
         else:
-            keys = k_cache[p.block_table].reshape(-1, num_kv_heads, head_dim)[: p.seq_len].transpose(0, 1)
-            values = v_cache[p.block_table].reshape(-1, num_kv_heads, head_dim)[: p.seq_len].transpose(0, 1)
-            attn = F.scaled_dot_product_attention(query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=p.mask,
-                                                  scale=scale, enable_gqa=True)
+            keys, values = _gather_kv(k_cache, v_cache, p.block_table[None])
+            attn = F.scaled_dot_product_attention(query, keys[:, :, :p.seq_len], values[:, :, :p.seq_len],
+                                                  attn_mask=p.mask, scale=scale, enable_gqa=True)
         out[p.start:p.end] = attn[0].transpose(0, 1)
     return out
+
+
+def _decode_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The reference decode path: gather every sequence's blocks (padded), one batched SDPA with a length mask."""
+    keys, values = _gather_kv(k_cache, v_cache, meta.decode_block_tables)
+    key_index = torch.arange(keys.shape[2], device=query.device)
+    mask = (key_index[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]
+    attn = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=True)
+    return attn.squeeze(2)

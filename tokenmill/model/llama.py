@@ -7,6 +7,7 @@ into one matmul each (fewer, larger GEMMs are faster on every backend).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import cast
 
 import torch
@@ -15,6 +16,9 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.model.quant import make_linear
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, 1, head_dim] of one step's positions
 
 
 class RMSNorm(nn.Module):
@@ -43,10 +47,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, hd]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor) -> RopeTables:
+        """(cos, sin) [T, 1, hd] of a step's positions: looked up once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -55,20 +62,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quantization: str) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = make_linear(quantization, config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias)
+        self.o_proj = make_linear(quantization, self.q_size, config.hidden_size)
         self.scale = self.head_dim**-0.5
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: the model runner allocates it before the first step")
         tokens = x.shape[0]
@@ -76,7 +82,8 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = self.kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -84,11 +91,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quantization: str) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = make_linear(quantization, config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = make_linear(quantization, config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -96,73 +103,86 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quantization: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, quantization)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, quantization)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta)
+    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """`quantization` is a resolved mode of `model/quant.py` ("none", "bf16", "int8"); it applies to every
+    projection and to the LM head. A tied LM head doubles as the embedding table (one copy of the weights)."""
+
+    def __init__(self, config: ModelConfig, quantization: str = "none") -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.quantization = quantization
+        self.embed_tokens = (
+            None if config.tie_word_embeddings else nn.Embedding(config.vocab_size, config.hidden_size)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, quantization) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = make_linear(quantization, config.hidden_size, config.vocab_size)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
         return cast(list[DecoderLayer], list(self.layers))
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.rows(input_ids) if self.embed_tokens is None else self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat token batch."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
+        rope = self.rope(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up."""
-        remaining = dict(weights)
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Load HF-named weights one tensor at a time, fusing q/k/v and gate/up.
+
+        `weights` may be lazy (a GGUF file dequantizes each tensor on access): every tensor is read once and
+        converted by its layer's backend before the next is read, so at most one float32 tensor is alive.
+        """
+        taken: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
-            if name not in remaining:
+            if name not in weights:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
-            return remaining.pop(name)
+            taken.add(name)
+            return weights[name]
 
-        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        tied = self.embed_tokens is None
+        self.lm_head.load(take("model.embed_tokens.weight" if tied else "lm_head.weight"))
+        if self.embed_tokens is not None:
+            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
-        if self.lm_head is not None:
-            self.lm_head.weight.copy_(take("lm_head.weight"))
-        else:
-            remaining.pop("lm_head.weight", None)
         for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-            attn.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            qkv_bias = None
             if attn.qkv_proj.bias is not None:
-                attn.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-            mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-            mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
-        leftovers = [n for n in remaining if not n.endswith("rotary_emb.inv_freq")]
+                qkv_bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            attn.qkv_proj.load(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias)
+            attn.o_proj.load(take(p + "self_attn.o_proj.weight"))
+            mlp.gate_up_proj.load(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
+        ignored = {"lm_head.weight"} if tied else set()
+        leftovers = [n for n in weights
+                     if n not in taken and n not in ignored and not n.endswith("rotary_emb.inv_freq")]
         if leftovers:
             raise ValueError(f"unexpected weights in checkpoint: {leftovers[:5]}")

@@ -2,13 +2,18 @@
 
 Both paths return a `ModelConfig` and a state dict in Hugging Face naming
 (`model.layers.0.self_attn.q_proj.weight`, ...) with float32 tensors, so the model has one loading path.
+The state dict is lazy: a tensor is read (and a GGUF tensor dequantized) only when it is looked up, so the
+model can convert weights one at a time (int8, bf16) without a float32 copy of the whole model in memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.util
 import json
 import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,7 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_DEQUANT_ROWS = 4096
 
 
 def bundled_model_path() -> str:
@@ -68,10 +74,39 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], object] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """A read-only state dict whose tensors are produced on each lookup (nothing is cached)."""
+
+    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self._readers = readers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        # glibc keeps freed float32 tensors in its heap; hand them back before reading the next one, or peak
+        # memory at load grows by the fragments of every tensor already converted (~400 MB on SmolLM2).
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+        return self._readers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     path: str
     gguf_reader: object | None = None  # kept so the tokenizer need not parse the file again
 
@@ -142,24 +177,36 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     )
 
 
-def _load_gguf(reader: Any) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(reader: Any) -> tuple[ModelConfig, LazyWeights]:
     from gguf.quants import dequantize
 
     config = gguf_model_config(reader)
     # llama.cpp permutes q/k rows only for architectures it converts with interleaved rotary (llama family).
     permuted = config.architecture in ("llama", "mistral")
-    weights: dict[str, torch.Tensor] = {}
+
+    def reader_of(tensor: Any, name: str) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+            value = torch.empty(shape, dtype=torch.float32)
+            rows = value.view(-1, shape[-1])
+            # Dequantize a few rows at a time: numpy's intermediates for a whole embedding table are ~5x its size.
+            for start in range(0, rows.shape[0], _DEQUANT_ROWS):
+                chunk = dequantize(tensor.data[start:start + _DEQUANT_ROWS], tensor.tensor_type)
+                chunk = np.array(chunk, dtype=np.float32).reshape(-1, shape[-1])
+                rows[start:start + _DEQUANT_ROWS] = torch.from_numpy(chunk)
+            if permuted and name.endswith("q_proj.weight"):
+                return _reverse_rotary_permutation(value, config.num_heads)
+            if permuted and name.endswith("k_proj.weight"):
+                return _reverse_rotary_permutation(value, config.num_kv_heads)
+            return value
+
+        return read
+
+    readers = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        array = dequantize(tensor.data, tensor.tensor_type)
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-        value = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
-        if permuted and name.endswith("q_proj.weight"):
-            value = _reverse_rotary_permutation(value, config.num_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            value = _reverse_rotary_permutation(value, config.num_kv_heads)
-        weights[name] = value
-    return config, weights
+        readers[name] = reader_of(tensor, name)
+    return config, LazyWeights(readers)
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -210,16 +257,25 @@ def hf_model_config(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+def _load_hf_dir(path: str) -> tuple[ModelConfig, LazyWeights]:
+    from safetensors import safe_open
 
     with open(os.path.join(path, "config.json")) as f:
         config = hf_model_config(json.load(f))
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    weights: dict[str, torch.Tensor] = {}
+
+    def reader_of(file: str, name: str) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            with safe_open(file, framework="pt") as f:
+                return f.get_tensor(name).to(torch.float32)
+
+        return read
+
+    readers = {}
     for file in files:
-        for name, tensor in load_file(str(file)).items():
-            weights[name] = tensor.to(torch.float32)
-    return config, weights
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                readers[name] = reader_of(str(file), name)
+    return config, LazyWeights(readers)

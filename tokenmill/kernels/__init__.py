@@ -1,0 +1,109 @@
+"""Native CPU kernels: small C files compiled at first use for this machine, loaded with ctypes.
+
+Plain C with no Python or torch headers compiles in about a second with the system's gcc (torch's
+`cpp_extension` would take a minute on two cores). The shared library is cached per source, compiler flags
+and CPU (`~/.cache/tokenmill/kernels`, or `$TOKENMILL_CACHE_DIR`). Where no compiler is available the callers
+fall back to their pure-torch paths, so the kernels are a speed-up, never a requirement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tokenmill.platform import cpu_flags
+
+logger = logging.getLogger(__name__)
+_SOURCE_DIR = Path(__file__).parent
+# No -ffast-math and no implicit FMA contraction: the kernels promise the same float operations for a row
+# whatever its batch (see paged_attention.c).
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# Limits compiled into paged_attention.c (stack arrays).
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 64
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    return Path(base) / "kernels"
+
+
+@functools.cache
+def load_library(name: str) -> ctypes.CDLL | None:
+    """Compile (once per machine) and load `<name>.c`; None when that is impossible here."""
+    if os.environ.get("TOKENMILL_DISABLE_KERNELS"):
+        return None
+    source = _SOURCE_DIR / f"{name}.c"
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        logger.warning("no C compiler found: native kernel %s disabled, using the torch fallback", name)
+        return None
+    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + " ".join(sorted(cpu_flags())).encode())
+    target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("building native kernel %s failed, using the torch fallback:\n%s", name,
+                               result.stderr[-2000:])
+                return None
+            os.replace(built, target)  # atomic: concurrent processes never load a half-written file
+    # torch has already loaded its libgomp; the kernel's libgomp.so.1 dependency resolves to that same copy.
+    torch.get_num_threads()
+    return ctypes.CDLL(str(target))
+
+
+@functools.cache
+def _attention_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = load_library("paged_attention")
+    if lib is None:
+        return None
+    fn = lib.paged_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    fn.restype = None
+    return fn
+
+
+def attention_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the native kernel takes these tensors (float32 on CPU, shapes within its compiled limits)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
+    return (
+        query.device.type == "cpu" and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+        and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK
+        and _attention_fn() is not None
+    )
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float) -> None:
+    """Causal attention of every query row over its sequence's cached keys (this step's K/V already written).
+
+    Sequence s owns query rows query_start[s]..query_start[s+1] (its last q_len tokens) and has seq_lens[s]
+    tokens of context after this step. out, query: [T, heads, head_dim] whose rows are contiguous (row strides
+    may differ); caches contiguous in `model.attention.allocate_kv_cache`'s layout; query_start [S+1], seq_lens [S],
+    block_tables [S, max_blocks] int64 contiguous.
+    """
+    fn = _attention_fn()
+    assert fn is not None, "check attention_supported() first"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    for index in (query_start, seq_lens, block_tables):
+        assert index.dtype == torch.int64 and index.is_contiguous()
+    assert query.stride(2) == out.stride(2) == 1 and query.stride(1) == out.stride(1) == query.shape[2]
+    heads, head_dim = query.shape[1], query.shape[2]
+    fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), query_start.data_ptr(),
+       seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], heads,
+       k_cache.shape[1], head_dim, k_cache.shape[3], query.stride(0), out.stride(0), scale)

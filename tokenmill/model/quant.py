@@ -1,0 +1,154 @@
+"""Linear-layer backends: float32, bf16 and int8 weights behind one `forward(x)`.
+
+The model builds every projection (and the LM head) through `make_linear(mode, ...)` and hands each one its
+float32 weight once, at load (`load`), which converts and keeps only the backend's own form, so no full
+float32 copy of the model stays in memory. Activations between layers stay float32 in every mode.
+
+- `none`: float32 `F.linear`, token-exact with transformers.
+- `bf16`: bf16 weights and inputs (oneDNN), float32 outputs. Fast where the CPU has native bf16.
+- `int8`: per-output-channel symmetric int8 weights; activations quantized dynamically per token (one scale
+  per row), int8 x int8 products accumulated exactly in int32 (`torch._int_mm`, oneDNN VNNI on x86). Exact
+  integer accumulation and per-row scales make a row's output independent of its batch neighbours.
+- `auto`: the fastest of the above that this machine supports (`resolve_quantization`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.platform import cpu_flags
+
+QuantizationMode = Literal["auto", "none", "int8", "bf16"]
+QUANTIZATION_MODES: tuple[str, ...] = ("auto", "none", "int8", "bf16")
+logger = logging.getLogger(__name__)
+
+
+def resolve_quantization(mode: str, device: str) -> str:
+    """`auto` -> the fastest supported mode on this device; explicit modes are checked against the hardware.
+
+    Measured on this project's CPUs (benchmarks/bench_kernels.py): int8 with dynamic per-token activations is
+    the fastest at every batch size on AVX-512 VNNI hosts (2-4x float32) and still ahead on AVX2-only hosts,
+    where bf16 has no native instructions. On GPUs `auto` keeps float32 (the verified path there).
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
+    if torch.device(device).type != "cpu":
+        if mode == "int8":
+            raise ValueError("int8 quantization is implemented for CPU only; use 'bf16' or 'none' on GPUs")
+        return "none" if mode == "auto" else mode
+    flags = cpu_flags()
+    has_int8 = bool(flags & {"avx2", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"})
+    has_bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    if mode == "auto":
+        return "int8" if has_int8 else ("bf16" if has_bf16 else "none")
+    if mode == "bf16" and not has_bf16:
+        logger.warning("this CPU has no native bf16 instructions: bf16 linears will be slow")
+    return mode
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b for x [..., in_features]; W arrives once, in float32, through `load`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        self._load_weight(weight.to(torch.float32))
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError("this layer has a bias but none was given")
+            self.bias.data.copy_(bias)
+
+    def _load_weight(self, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight as the kernel sees them, in float32: a tied LM head doubles as the embedding."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Float32Linear(QuantLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def _load_weight(self, weight: torch.Tensor) -> None:
+        self.weight.data = weight.contiguous()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return F.embedding(index, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class BF16Linear(QuantLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.weight: torch.Tensor
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.bfloat16))
+
+    def _load_weight(self, weight: torch.Tensor) -> None:
+        self.weight = weight.to(torch.bfloat16).contiguous()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return F.embedding(index, self.weight).float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: x ~= q * scale, q in [-127, 127], scale [rows, 1] float32."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-10).div_(127.0)
+    return torch.round(x / scale).to(torch.int8), scale
+
+
+class Int8Linear(QuantLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.qweight: torch.Tensor  # [out, in] int8, used transposed (oneDNN reads it as a [in, out] view)
+        self.scale: torch.Tensor  # [out] float32 per output channel
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.ones(out_features))
+
+    def _load_weight(self, weight: torch.Tensor) -> None:
+        qweight, scale = quantize_rows(weight)
+        self.qweight, self.scale = qweight.contiguous(), scale.squeeze(1).contiguous()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.qweight[index].float() * self.scale[index].unsqueeze(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features)
+        xq, xscale = quantize_rows(rows.float())
+        acc = torch._int_mm(xq, self.qweight.t())
+        y = acc.to(torch.float32).mul_(xscale).mul_(self.scale)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+_BACKENDS: dict[str, type[QuantLinear]] = {"none": Float32Linear, "bf16": BF16Linear, "int8": Int8Linear}
+
+
+def make_linear(mode: str, in_features: int, out_features: int, bias: bool = False) -> QuantLinear:
+    """An unloaded linear layer of the given (resolved) mode."""
+    if mode not in _BACKENDS:
+        raise ValueError(f"unresolved or unknown quantization mode {mode!r}")
+    return _BACKENDS[mode](in_features, out_features, bias)
