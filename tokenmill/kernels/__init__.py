@@ -64,16 +64,59 @@ def load_library(name: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(target))
 
 
-@functools.cache
-def _attention_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    lib = load_library("paged_attention")
+def _function(library: str, name: str, argtypes: list[type]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = load_library(library)
     if lib is None:
         return None
-    fn = lib.paged_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    fn = getattr(lib, name)
+    fn.argtypes = argtypes
     fn.restype = None
     return fn
+
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+@functools.cache
+def _attention_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _function("paged_attention", "paged_attention", [_PTR] * 7 + [_I64] * 8 + [_F32])
+
+
+@functools.cache
+def _quantize_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _function("int8_rows", "quantize_two_level", [_PTR, _I64, _I64, _I64, _PTR, _PTR])
+
+
+@functools.cache
+def _dequantize_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _function("int8_rows", "dequantize_two_level", [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR])
+
+
+def int8_rows_available() -> bool:
+    return _quantize_fn() is not None and _dequantize_fn() is not None
+
+
+def quantize_two_level(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] float32 (rows contiguous) -> (q [2 * rows, cols] int8, scales [2 * rows] float32)."""
+    fn = _quantize_fn()
+    assert fn is not None and x.dtype == torch.float32 and x.stride(1) == 1
+    rows, cols = x.shape
+    q = torch.empty(2 * rows, cols, dtype=torch.int8)
+    scales = torch.empty(2 * rows, dtype=torch.float32)
+    fn(x.data_ptr(), rows, cols, x.stride(0), q.data_ptr(), scales.data_ptr())
+    return q, scales
+
+
+def dequantize_two_level(acc: torch.Tensor, scales: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """acc [2 * rows, n] int32 of both levels -> float32 [rows, n] (see int8_rows.c)."""
+    fn = _dequantize_fn()
+    assert fn is not None and acc.is_contiguous() and acc.dtype == torch.int32
+    rows, n = acc.shape[0] // 2, acc.shape[1]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    fn(acc.data_ptr(), rows, n, scales.data_ptr(), weight_scale.data_ptr(),
+       None if bias is None else bias.data_ptr(), out.data_ptr())
+    return out
 
 
 def attention_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -6,9 +6,10 @@ float32 copy of the model stays in memory. Activations between layers stay float
 
 - `none`: float32 `F.linear`, token-exact with transformers.
 - `bf16`: bf16 weights and inputs (oneDNN), float32 outputs. Fast where the CPU has native bf16.
-- `int8`: per-output-channel symmetric int8 weights; activations quantized dynamically per token (one scale
-  per row), int8 x int8 products accumulated exactly in int32 (`torch._int_mm`, oneDNN VNNI on x86). Exact
-  integer accumulation and per-row scales make a row's output independent of its batch neighbours.
+- `int8`: per-output-channel symmetric int8 weights; activations quantized dynamically per token (scales per
+  row, two levels: the row and its residual), int8 x int8 products accumulated exactly in int32
+  (`torch._int_mm`, oneDNN VNNI on x86). Exact integer accumulation and per-row scales make a row's output
+  independent of its batch neighbours.
 - `auto`: the fastest of the above that this machine supports (`resolve_quantization`).
 """
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.platform import cpu_flags
 
 QuantizationMode = Literal["auto", "none", "int8", "bf16"]
@@ -135,13 +137,35 @@ class Int8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, self.in_features)
-        xq, xscale = quantize_rows(rows.float())
-        acc = torch._int_mm(xq, self.qweight.t())
-        y = acc.to(torch.float32).mul_(xscale).mul_(self.scale)
-        if self.bias is not None:
-            y += self.bias
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        native = rows.device.type == "cpu" and kernels.int8_rows_available()
+        q, scales = kernels.quantize_two_level(rows) if native else quantize_two_level(rows)
+        acc = torch._int_mm(q, self.qweight.t())
+        if native:
+            y = kernels.dequantize_two_level(acc, scales, self.scale, self.bias)
+        else:
+            y = dequantize_two_level(acc, scales, self.scale, self.bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def quantize_two_level(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] -> int8 [2 * rows, cols] and scales [2 * rows]: each row, then its quantization residual.
+
+    One int8 level per token costs this 135M model 3.8% perplexity and 5% of its top-1 choices (mostly at the
+    RMSNorm-fed inputs, whose channels span a wide range); the residual level brings activations to ~14 bits, and
+    both ride through one GEMM. The native kernel (kernels/int8_rows.c) does the same in one pass."""
+    q1, s1 = quantize_rows(x)
+    q2, s2 = quantize_rows(x - q1.float() * s1)
+    return torch.cat([q1, q2]), torch.cat([s1, s2]).squeeze(1)
+
+
+def dequantize_two_level(acc: torch.Tensor, scales: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    rows = acc.shape[0] // 2
+    y = (acc[:rows].float() * scales[:rows, None] + acc[rows:].float() * scales[rows:, None]) * weight_scale
+    return y if bias is None else y + bias
 
 
 _BACKENDS: dict[str, type[QuantLinear]] = {"none": Float32Linear, "bf16": BF16Linear, "int8": Int8Linear}
