@@ -66,6 +66,9 @@ def test_workloads_are_deterministic_and_shaped(tokenizer) -> None:  # noqa: ANN
     prefix = shared[0].prompt_token_ids[:768]
     assert all(i.prompt_token_ids[:768] == prefix for i in shared)
     assert len({tuple(i.prompt_token_ids) for i in shared}) == 5
+    fixed = workloads.random_lengths(tokenizer, 3, input_len=32, output_len=256, seed=2)
+    assert [(len(i.prompt_token_ids), i.max_tokens) for i in fixed] == [(32, 256)] * 3
+    assert len({tuple(i.prompt_token_ids) for i in fixed}) == 3
     inter = workloads.long_interference(tokenizer, seed=0)
     assert len(inter[-1].prompt_token_ids) == 3000 and inter[-1].arrival_offset and inter[-1].arrival_offset > 0
 

@@ -19,12 +19,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name sent to the server")
     parser.add_argument("--tokenizer", default=None, help="GGUF file or HF dir for building prompts "
                         "(default: the bundled model)")
-    parser.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-interference",
-                                                                "sharegpt"])
+    parser.add_argument("--workload", default="mixed", choices=["mixed", "random", "shared-prefix",
+                                                                "long-interference", "sharegpt"])
     parser.add_argument("--dataset", default=None, help="ShareGPT-format JSON file (with --workload sharegpt)")
     parser.add_argument("--num-requests", type=int, default=50)
     parser.add_argument("--max-prompt", type=int, default=512, help="mixed: longest prompt (tokens)")
     parser.add_argument("--max-output", type=int, default=512, help="mixed: longest output (tokens)")
+    parser.add_argument("--random-input-len", type=int, default=32, help="random: prompt tokens (vLLM's name)")
+    parser.add_argument("--random-output-len", type=int, default=256, help="random: output tokens (vLLM's name)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate, req/s (inf: burst)")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -39,6 +41,9 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> list[workl
     if args.workload == "mixed":
         return workloads.mixed(tokenizer, args.num_requests, args.seed, prompt_range=(min(32, args.max_prompt),
                                args.max_prompt), output_range=(min(8, args.max_output), args.max_output))
+    if args.workload == "random":
+        return workloads.random_lengths(tokenizer, args.num_requests, args.random_input_len, args.random_output_len,
+                                        args.seed)
     if args.workload == "shared-prefix":
         return workloads.shared_prefix(tokenizer, args.num_requests, args.seed)
     if args.workload == "long-interference":

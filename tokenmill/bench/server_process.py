@@ -27,10 +27,16 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(*args: str, timeout: float = 180.0, quiet: bool = True) -> Iterator[LiveServer]:
-    """Start a server with the given `tokenmill serve` flags, wait until /health answers, stop it after."""
+def live_server(*args: str, timeout: float = 180.0, quiet: bool = True,
+                omp_wait_policy: str | None = "PASSIVE") -> Iterator[LiveServer]:
+    """Start a server with the given `tokenmill serve` flags, wait until /health answers, stop it after.
+
+    `omp_wait_policy` None leaves OpenMP's default (threads spin a while before sleeping)."""
     port = free_port()
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    if omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT,
                             text=True)

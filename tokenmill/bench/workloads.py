@@ -67,6 +67,14 @@ def mixed(tokenizer: Tokenizer, num_requests: int, seed: int = 0, prompt_range: 
             for _ in range(num_requests)]
 
 
+def random_lengths(tokenizer: Tokenizer, num_requests: int, input_len: int, output_len: int,
+                   seed: int = 0) -> list[WorkItem]:
+    """vLLM's `random` dataset: every request has the same prompt and output length."""
+    rng = random.Random(seed)
+    source = _TokenSource(tokenizer)
+    return [source.item(rng, input_len, output_len) for _ in range(num_requests)]
+
+
 def shared_prefix(tokenizer: Tokenizer, num_requests: int, seed: int = 0, prefix_len: int = 768,
                   question_range: tuple[int, int] = (12, 32), max_tokens: int = 16) -> list[WorkItem]:
     """One long common preamble (a system prompt or document) + short distinct questions."""
