@@ -96,3 +96,53 @@ def test_unsupported_shapes_fall_back() -> None:
     assert not kernels.attention_supported(torch.randn(2, 8, 64), k_cache)  # blocks of 128 tokens > 64
     k_cache, _ = allocate_kv_cache(4, 16, 8, 64, torch.float64, CPU)
     assert not kernels.attention_supported(torch.randn(2, 8, 64).double(), k_cache)
+
+
+def test_fused_layer_ops_match_the_torch_path() -> None:
+    from tokenmill.model.llama import RMSNorm, apply_rope
+
+    assert kernels.layer_ops_supported(torch.zeros(1)), "the layer kernels did not build on a machine with gcc"
+    torch.manual_seed(3)
+    rows, hidden = 37, 576
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.rand(hidden) * 2
+    x, residual = torch.randn(rows, hidden) * 4, torch.randn(rows, hidden)
+    expected_sum = x + residual
+    expected = norm.weight * (expected_sum * torch.rsqrt(expected_sum.pow(2).mean(-1, keepdim=True) + 1e-5))
+    fused_residual = residual.clone()
+    torch.testing.assert_close(kernels.add_rms_norm(fused_residual, x, norm.weight, 1e-5), expected,
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused_residual, expected_sum)  # the residual stream is updated in place
+
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim)
+    positions = torch.randint(0, 4000, (rows,))
+    angles = positions[:, None].float() * torch.rand(head_dim // 2)[None, :]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    slots = torch.randperm(8 * block)[:rows]
+    k_cache, v_cache = allocate_kv_cache(8, block, kv_heads, head_dim, torch.float32, CPU)
+    q = kernels.rope_and_cache(qkv, heads, kv_heads, cos, sin, slots, k_cache, v_cache)
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q_ref = apply_rope(q_ref.reshape(rows, heads, head_dim), cos[:, None], sin[:, None])
+    k_ref = apply_rope(k_ref.reshape(rows, kv_heads, head_dim), cos[:, None], sin[:, None])
+    assert torch.equal(q, q_ref)
+    ref_k_cache, ref_v_cache = allocate_kv_cache(8, block, kv_heads, head_dim, torch.float32, CPU)
+    write_kv(ref_k_cache, ref_v_cache, k_ref, v_ref.reshape(rows, kv_heads, head_dim), slots)
+    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+
+    gate_up = torch.randn(rows, 2 * 1536) * 3
+    gate, up = gate_up.split(1536, -1)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not kernels.int8_gemm_small_available(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 960), (2, 1536, 576), (16, 576, 49152), (3, 100, 7)])
+def test_vnni_int8_gemm_is_exact(rows: int, k: int, n: int) -> None:
+    from tokenmill.model.quant import make_linear
+
+    layer = make_linear("int8", k, n)
+    layer.load(torch.randn(n, k))
+    q = torch.randint(-128, 128, (rows, k), dtype=torch.int8)
+    expected = q.int() @ layer.qweight.int().T
+    assert torch.equal(kernels.int8_gemm_small(q, layer.qweight, layer.weight_sum128), expected)

@@ -92,6 +92,85 @@ def _dequantize_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return _function("int8_rows", "dequantize_two_level", [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR])
 
 
+@functools.cache
+def _gemm_small_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = load_library("int8_rows")
+    if lib is None or not lib.int8_gemm_small_available():
+        return None
+    return _function("int8_rows", "int8_gemm_small", [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64])
+
+
+# Up to this many activation rows the VNNI kernel streams the weights faster than oneDNN (benchmarks/
+# bench_kernels.py); beyond it the GEMM is compute-bound and oneDNN's blocking wins.
+GEMM_SMALL_MAX_ROWS = 16
+
+
+def int8_gemm_small_available() -> bool:
+    return _gemm_small_fn() is not None
+
+
+def int8_gemm_small(q: torch.Tensor, weight: torch.Tensor, weight_sum128: torch.Tensor) -> torch.Tensor:
+    """Exact q [rows, k] int8 x weight [n, k] int8 -> int32 [rows, n] (the same result as `torch._int_mm`)."""
+    fn = _gemm_small_fn()
+    assert fn is not None and q.is_contiguous() and weight.is_contiguous() and weight_sum128.dtype == torch.int32
+    rows, n = q.shape[0], weight.shape[0]
+    out = torch.empty(rows, n, dtype=torch.int32)
+    fn(q.data_ptr(), weight.data_ptr(), weight_sum128.data_ptr(), out.data_ptr(), rows, n, q.shape[1])
+    return out
+
+
+@functools.cache
+def _layer_fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+    norm = _function("layer_ops", "add_rms_norm", [_PTR, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64])
+    rope = _function("layer_ops", "rope_and_cache", [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
+                                                      _PTR, _PTR, _PTR])
+    silu = _function("layer_ops", "silu_and_mul", [_PTR, _I64, _I64, _PTR])
+    return None if norm is None or rope is None or silu is None else (norm, rope, silu)
+
+
+def layer_ops_supported(x: torch.Tensor) -> bool:
+    """Whether the fused layer kernels take x (float32 on CPU) on this machine."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _layer_fns() is not None
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta (in place, when given); returns RMSNorm(residual) * weight. [rows, cols] float32."""
+    fns = _layer_fns()
+    assert fns is not None and residual.is_contiguous() and weight.is_contiguous()
+    rows, cols = residual.shape
+    if delta is not None:
+        assert delta.shape == residual.shape and delta.stride(1) == 1
+    out = torch.empty_like(residual)
+    fns[0](residual.data_ptr(), None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
+           weight.data_ptr(), eps, out.data_ptr(), rows, cols)
+    return out
+
+
+def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k of the fused projection [T, (heads + 2 kv_heads) * head_dim]; k and v go to their cache
+    slots; returns q [T, heads, head_dim]. cos, sin: [T, head_dim] rows of this step's positions."""
+    fns = _layer_fns()
+    tokens, head_dim = qkv.shape[0], cos.shape[-1]
+    assert fns is not None and qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    assert slot_mapping.dtype == torch.int64 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert head_dim <= MAX_HEAD_DIM
+    q = torch.empty(tokens, num_heads, head_dim)
+    fns[1](qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+           slot_mapping.data_ptr(), k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+    return q
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2n] (gate first, contiguous) -> [rows, n]."""
+    fns = _layer_fns()
+    assert fns is not None and gate_up.is_contiguous()
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n)
+    fns[2](gate_up.data_ptr(), rows, n, out.data_ptr())
+    return out
+
+
 def int8_rows_available() -> bool:
     return _quantize_fn() is not None and _dequantize_fn() is not None
 

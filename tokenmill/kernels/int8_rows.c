@@ -48,3 +48,43 @@ void dequantize_two_level(const int32_t *acc, int64_t rows, int64_t n, const flo
         }
     }
 }
+
+// Exact int8 GEMM for a few rows: out[m, n] = sum_k q[m, k] * w[n, k] in int32. Decode steps at small batch
+// are bound by streaming the weights once; oneDNN's `_int_mm` reaches about half the memory bandwidth there.
+// Integer sums are exact, so this and `_int_mm` give identical results and can be chosen by row count.
+// AVX512-VNNI's dot product is unsigned x signed: q is offset to q + 128 (xor 0x80) and 128 * sum_k w[n, k]
+// (`w_sum128`, computed at load) is subtracted again.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+int int8_gemm_small_available(void) { return 1; }
+
+void int8_gemm_small(const int8_t *q, const int8_t *w, const int32_t *w_sum128, int32_t *out, int64_t rows,
+                     int64_t n, int64_t k) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < n; n0 += 4) {
+        const int64_t count = n - n0 < 4 ? n - n0 : 4;
+        for (int64_t r = 0; r < rows; ++r) {
+            __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                              _mm512_setzero_si512()};
+            for (int64_t c = 0; c < k; c += 64) {
+                const __mmask64 mask = k - c >= 64 ? ~0ULL : ((1ULL << (k - c)) - 1);
+                // masked-off lanes: q 0 -> 128, w 0: their product is 0
+                const __m512i x = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, q + r * k + c), flip);
+                for (int64_t j = 0; j < count; ++j)
+                    acc[j] = _mm512_dpbusd_epi32(acc[j], x, _mm512_maskz_loadu_epi8(mask, w + (n0 + j) * k + c));
+            }
+            for (int64_t j = 0; j < count; ++j)
+                out[r * n + n0 + j] = _mm512_reduce_add_epi32(acc[j]) - w_sum128[n0 + j];
+        }
+    }
+}
+#else
+int int8_gemm_small_available(void) { return 0; }
+
+void int8_gemm_small(const int8_t *q, const int8_t *w, const int32_t *w_sum128, int32_t *out, int64_t rows,
+                     int64_t n, int64_t k) {
+    (void)q, (void)w, (void)w_sum128, (void)out, (void)rows, (void)n, (void)k;
+}
+#endif

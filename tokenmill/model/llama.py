@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenmill.model.quant import make_linear
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, 1, head_dim] of one step's positions
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, head_dim] of one step's positions
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +28,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(r), r) with r = x + residual (x alone when there is no residual yet), vLLM's fused form.
+
+        The native kernel adds into `residual` in place; the residual stream belongs to the forward pass."""
+        if kernels.layer_ops_supported(x):
+            if residual is None:
+                return kernels.add_rms_norm(x, None, self.weight, self.eps), x
+            return kernels.add_rms_norm(residual, x, self.weight, self.eps), residual
+        if residual is not None:
+            x = x + residual
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype), x
 
 
 class RotaryEmbedding(nn.Module):
@@ -48,8 +58,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> RopeTables:
-        """(cos, sin) [T, 1, hd] of a step's positions: looked up once per step, shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """(cos, sin) [T, hd] of a step's positions: looked up once per step, shared by every layer."""
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,15 +88,25 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: the model runner allocates it before the first step")
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = self.kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        cos, sin = rope
+        if kernels.layer_ops_supported(qkv) and kernels.attention_supported(qkv.view(tokens, -1, self.head_dim),
+                                                                            k_cache):
+            q = kernels.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
+                                       k_cache, v_cache)
+            out = torch.empty_like(q)
+            kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables,
+                                    self.scale)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(tokens, self.num_heads, self.head_dim)
+            k = k.view(tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(tokens, self.num_kv_heads, self.head_dim)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -98,7 +118,10 @@ class MLP(nn.Module):
         self.down_proj = make_linear(quantization, config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if kernels.layer_ops_supported(gate_up):
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -110,9 +133,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, quantization)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added): vLLM's layout, so each residual
+        add fuses with the RMSNorm after it."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,9 +169,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of a flat token batch."""
         x = self.embed(input_ids)
         rope = self.rope(positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

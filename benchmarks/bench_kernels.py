@@ -1,0 +1,142 @@
+"""Kernel choices, measured: the 30 layers' linears and the LM head of SmolLM2-135M per backend, and the
+attention kernel against the torch reference path, at decode batch sizes.
+
+Weights are random with the model's shapes, one distinct copy per layer (so they stream from memory as in a real
+step); each time is the median of several runs. `python benchmarks/bench_kernels.py` prints the tables and
+writes the "kernels" section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tokenmill import kernels
+from tokenmill.bench.report import machine_description, markdown_table, write_section
+from tokenmill.model.attention import AttentionMetadata, _decode_attention_torch, allocate_kv_cache
+from tokenmill.model.quant import QuantLinear, make_linear
+from tokenmill.platform import cpu_flags
+
+LAYERS = 30
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
+HEAD = (576, 49152)
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def linears(mode: str, shapes: list[tuple[int, int]], copies: int) -> list[QuantLinear]:
+    layers = []
+    for _ in range(copies):
+        for k, n in shapes:
+            layer = make_linear(mode, k, n)
+            layer.load(torch.randn(n, k) * 0.05)
+            layers.append(layer)
+    return layers
+
+
+def time_linears(layers: list[QuantLinear], batch: int) -> float:
+    inputs = {layer.in_features: torch.randn(batch, layer.in_features) for layer in layers}
+    with torch.inference_mode():
+        return median_ms(lambda: [layer(inputs[layer.in_features]) for layer in layers])
+
+
+def time_int8_gemm(batch: int, small: bool) -> float:
+    """The 30 layers' int8 GEMMs alone (activations already quantized, two levels = 2 x batch rows)."""
+    layers = [layer for layer in linears("int8", SHAPES, LAYERS)]
+    qs = {k: torch.randint(-127, 128, (2 * batch, k), dtype=torch.int8) for k, _ in SHAPES}
+
+    def run() -> None:
+        for layer in layers:
+            q = qs[layer.in_features]
+            if small:
+                kernels.int8_gemm_small(q, layer.qweight, layer.weight_sum128)  # type: ignore[arg-type]
+            else:
+                torch._int_mm(q, layer.qweight.t())  # type: ignore[operator]
+
+    return median_ms(run)
+
+
+def time_attention(batch: int, context: int) -> tuple[float, float]:
+    """(native, torch reference) ms for one layer's decode attention over `batch` sequences of `context` tokens."""
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    blocks = -(-context // block)
+    k_cache, v_cache = allocate_kv_cache(batch * blocks + 1, block, kv_heads, head_dim, torch.float32,
+                                         torch.device("cpu"))
+    k_cache.normal_()
+    v_cache.normal_()
+    tables = np.random.RandomState(0).permutation(batch * blocks).reshape(batch, blocks).astype(np.int64)
+    meta = AttentionMetadata.build(np.ones(batch, np.int64), np.full(batch, context, np.int64), tables,
+                                   np.zeros(batch, np.int64), block, torch.device("cpu"))
+    q = torch.randn(batch, heads, head_dim)
+    out = torch.empty_like(q)
+    native = median_ms(lambda: kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens,
+                                                       meta.block_tables, 0.125))
+    reference = median_ms(lambda: _decode_attention_torch(q, k_cache, v_cache, meta, 0.125))
+    return native, reference
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for mode in ("none", "bf16", "int8"):
+        body, head = linears(mode, SHAPES, LAYERS), linears(mode, [HEAD], 1)
+        row: list[object] = [mode]
+        for batch in args.batches:
+            row += [round(time_linears(body, batch), 1), round(time_linears(head, batch), 1)]
+        rows.append(row)
+        print(row, flush=True)
+    headers = ["backend"] + [f"{part} M={b}" for b in args.batches for part in ("layers", "head")]
+    gemm_rows = []
+    if kernels.int8_gemm_small_available():
+        for batch in (1, 2, 4, 8):
+            gemm_rows.append([batch, 2 * batch, round(time_int8_gemm(batch, True), 1),
+                              round(time_int8_gemm(batch, False), 1)])
+            print(gemm_rows[-1], flush=True)
+    attention_rows = []
+    for batch, context in ((1, 512), (8, 512), (64, 160), (64, 1024)):
+        native, reference = time_attention(batch, context)
+        attention_rows.append([batch, context, round(native, 2), round(reference, 2)])
+        print(attention_rows[-1], flush=True)
+    simd = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"})
+    text = "\n".join([
+        "## Kernels (`python benchmarks/bench_kernels.py`)",
+        "",
+        f"Machine: {machine_description()}; CPU features: {', '.join(simd) or 'none of note'}. SmolLM2-135M "
+        "shapes, random weights, a distinct copy per layer; ms, median of 7. int8 includes the two-level "
+        "per-token activation quantization and the dequantization.",
+        "",
+        markdown_table(headers, rows),
+        "",
+        "The 30 layers' int8 GEMMs alone (exact int32 results either way), VNNI kernel for few rows "
+        "(`kernels/int8_rows.c`) against oneDNN (`torch._int_mm`):" if gemm_rows else "",
+        "",
+        markdown_table(["batch", "GEMM rows (two levels)", "VNNI kernel ms", "torch._int_mm ms"], gemm_rows)
+        if gemm_rows else "",
+        "",
+        "One layer's decode attention (9 heads, 3 KV heads, 64 dims, blocks of 16, shuffled): the native kernel "
+        "reading blocks in place against the reference (gather padded blocks + SDPA):",
+        "",
+        markdown_table(["sequences", "context tokens", "native ms", "torch reference ms"], attention_rows),
+    ])
+    if not args.no_write:
+        write_section("kernels", text)
+        print("wrote docs/BENCHMARKS.md (kernels)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+// The decoder layer's elementwise work, fused: each function replaces a chain of 5-20 small torch ops, whose
+// per-op dispatch cost dominated the non-GEMM time of a decode step. Each computes the same formula as the torch
+// code it replaces in model/llama.py (same operation order; the sums of squares differ in summation order only).
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_MIN_ELEMENTS 65536
+
+// residual += delta (when delta is given); out = weight * (residual * rsqrt(mean(residual^2) + eps))
+void add_rms_norm(float *residual, const float *delta, int64_t delta_stride, const float *weight, float eps,
+                  float *out, int64_t rows, int64_t cols) {
+#pragma omp parallel for if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *x = residual + r * cols;
+        if (delta)
+            for (int64_t c = 0; c < cols; ++c) x[c] += delta[r * delta_stride + c];
+        float part[16] = {0};
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16)
+            for (int i = 0; i < 16; ++i) part[i] += x[c + i] * x[c + i];
+        for (int i = 0; c < cols; ++c, ++i) part[i] += x[c] * x[c];
+        for (int width = 8; width > 0; width /= 2)
+            for (int i = 0; i < width; ++i) part[i] += part[i + width];
+        const float inv = 1.0f / sqrtf(part[0] / (float)cols + eps);
+        float *o = out + r * cols;
+        for (c = 0; c < cols; ++c) o[c] = weight[c] * (x[c] * inv);
+    }
+}
+
+// Rotate-half RoPE of one head: o[d] = x[d] cos[d] - x[d + half] sin[d], o[d + half] = x[d + half] cos + x[d] sin
+static inline void rope(float *o, const float *x, const float *cos_row, const float *sin_row, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t d = 0; d < half; ++d) o[d] = x[d] * cos_row[d] - x[d + half] * sin_row[d];
+    for (int64_t d = half; d < head_dim; ++d) o[d] = x[d] * cos_row[d] + x[d - half] * sin_row[d];
+}
+
+// From the fused qkv projection [tokens, (heads + 2 kv_heads) * head_dim] (rows of qkv_stride floats) and the
+// cos/sin rows [tokens, head_dim] of each token's position: q with
+// RoPE into q_out [tokens, heads * head_dim]; k with RoPE and v written to their cache slots (layouts of
+// model/attention.py: K [blocks, kv_heads, head_dim, block], V [blocks, kv_heads, block, head_dim]).
+void rope_and_cache(const float *qkv, int64_t qkv_stride, int64_t tokens, int64_t heads, int64_t kv_heads,
+                    int64_t head_dim, const float *cos_table, const float *sin_table,
+                    const int64_t *slots, int64_t block_size, float *k_cache, float *v_cache, float *q_out) {
+#pragma omp parallel for if (tokens * (heads + 2 * kv_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *row = qkv + t * qkv_stride;
+        const float *cos_row = cos_table + t * head_dim, *sin_row = sin_table + t * head_dim;
+        for (int64_t h = 0; h < heads; ++h)
+            rope(q_out + (t * heads + h) * head_dim, row + h * head_dim, cos_row, sin_row, head_dim);
+        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        float k[512];
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            rope(k, row + (heads + h) * head_dim, cos_row, sin_row, head_dim);
+            float *k_dst = k_cache + (block * kv_heads + h) * head_dim * block_size + offset;
+            for (int64_t d = 0; d < head_dim; ++d) k_dst[d * block_size] = k[d];
+            const float *v = row + (heads + kv_heads + h) * head_dim;
+            float *v_dst = v_cache + ((block * kv_heads + h) * block_size + offset) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) v_dst[d] = v[d];
+        }
+    }
+}
+
+// out [rows, n] = silu(gate) * up for gate_up [rows, 2n] (gate first), silu(g) = g / (1 + exp(-g))
+void silu_and_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
+#pragma omp parallel for if (rows * n >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate_up + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t j = 0; j < n; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
