@@ -10,6 +10,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tokenmill import kernels
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.executor.sampler import Sampler, SamplingRow
@@ -58,6 +59,8 @@ class ModelRunner:
             self.quantization = resolve_quantization(config.quantization, config.device)
         logger.info("linear layers: %s (--quantization %s), %d threads", self.quantization, config.quantization,
                     torch.get_num_threads())
+        if self.device.type == "cpu":
+            logger.info(kernels.prepare())
         model = LlamaForCausalLM(model_config, self.quantization)
         model.load_weights(weights)
         # .to(dtype) would also cast bf16 weight buffers, so only a float32-linear model changes dtype.

@@ -171,6 +171,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def prepare() -> str:
+    """Build every kernel now (at start-up, not in the first request's step); returns a line for the log."""
+    ready = {
+        "attention": _attention_fn() is not None,
+        "int8 rows": int8_rows_available(),
+        "VNNI int8 GEMM": int8_gemm_small_available(),
+        "layer ops": _layer_fns() is not None,
+    }
+    return "native CPU kernels: " + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in ready.items())
+
+
 def int8_rows_available() -> bool:
     return _quantize_fn() is not None and _dequantize_fn() is not None
 
