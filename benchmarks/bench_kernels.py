@@ -9,7 +9,6 @@ writes the "kernels" section of docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.bench.report import machine_description, markdown_table, write_section
+from tokenmill.bench.stats import median_seconds
 from tokenmill.model.attention import AttentionMetadata, _decode_attention_torch, allocate_kv_cache
 from tokenmill.model.quant import QuantLinear, make_linear
 from tokenmill.platform import cpu_flags
@@ -27,13 +27,7 @@ HEAD = (576, 49152)
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * sorted(times)[len(times) // 2]
+    return 1000 * median_seconds(fn, repeats)
 
 
 def linears(mode: str, shapes: list[tuple[int, int]], copies: int) -> list[QuantLinear]:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from tokenmill.bench.report import machine_description, markdown_table, write_section
+from tokenmill.bench.stats import median_seconds
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
 from tokenmill.executor.model_runner import ModelRunner
@@ -29,21 +30,11 @@ from tokenmill.sampling_params import SamplingParams
 MODES = ["none", "int8", "bf16"]
 
 
-def _median_seconds(fn, repeats: int) -> float:  # noqa: ANN001
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def memory_bandwidth_gbs() -> float:
     """Copy bandwidth (bytes read + written) of a 256 MB buffer: what streaming weights can reach."""
     src = torch.ones(64 * 2**20)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), 10) / 1e9
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), 10) / 1e9
 
 
 def gemm_gflops(mode: str, m: int = 512, k: int = 2048, n: int = 2048) -> float:
@@ -52,7 +43,7 @@ def gemm_gflops(mode: str, m: int = 512, k: int = 2048, n: int = 2048) -> float:
     layer.load(torch.randn(n, k))
     x = torch.randn(m, k)
     with torch.inference_mode():
-        return 2 * m * k * n / _median_seconds(lambda: layer(x), 10) / 1e9
+        return 2 * m * k * n / median_seconds(lambda: layer(x), 10) / 1e9
 
 
 def linears_ms(runner: ModelRunner, batch: int) -> float:
@@ -60,7 +51,7 @@ def linears_ms(runner: ModelRunner, batch: int) -> float:
     layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
     inputs = {m.in_features: torch.randn(batch, m.in_features) for m in layers}
     with torch.inference_mode():
-        return 1000 * _median_seconds(lambda: [m(inputs[m.in_features]) for m in layers], 5)
+        return 1000 * median_seconds(lambda: [m(inputs[m.in_features]) for m in layers], 5)
 
 
 def decode_throughput(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
@@ -100,7 +91,7 @@ def prefill_throughput(runner: ModelRunner, prompt_len: int, repeats: int = 2) -
     table = list(range(-(-prompt_len // runner.block_size)))
     prompt = [(j * 13) % 1000 + 100 for j in range(prompt_len)]
     plan = SchedulerOutput([ScheduledRequest("p", prompt, 0, table, True, SamplingParams(temperature=0.0), prompt, [])])
-    return prompt_len / _median_seconds(lambda: runner.execute(plan), repeats)
+    return prompt_len / median_seconds(lambda: runner.execute(plan), repeats)
 
 
 def peak_load_rss_mb(mode: str, materialize: bool = False) -> float:
