@@ -46,7 +46,7 @@ def time_linears(layers: list[QuantLinear], batch: int) -> float:
         return median_ms(lambda: [layer(inputs[layer.in_features]) for layer in layers])
 
 
-def time_int8_gemm(batch: int, small: bool) -> float:
+def time_int8_gemm(batch: int, packed: bool) -> float:
     """The 30 layers' int8 GEMMs alone (activations already quantized, two levels = 2 x batch rows)."""
     layers = [layer for layer in linears("int8", SHAPES, LAYERS)]
     qs = {k: torch.randint(-127, 128, (2 * batch, k), dtype=torch.int8) for k, _ in SHAPES}
@@ -54,8 +54,8 @@ def time_int8_gemm(batch: int, small: bool) -> float:
     def run() -> None:
         for layer in layers:
             q = qs[layer.in_features]
-            if small:
-                kernels.int8_gemm_small(q, layer.qweight, layer.weight_sum128)  # type: ignore[arg-type]
+            if packed:
+                kernels.int8_gemm_packed(q, layer.packed, layer.weight_sum128, layer.out_features)  # type: ignore[arg-type]
             else:
                 torch._int_mm(q, layer.qweight.t())  # type: ignore[operator]
 
@@ -96,8 +96,8 @@ def main() -> None:
         print(row, flush=True)
     headers = ["backend"] + [f"{part} M={b}" for b in args.batches for part in ("layers", "head")]
     gemm_rows = []
-    if kernels.int8_gemm_small_available():
-        for batch in (1, 2, 4, 8):
+    if kernels.int8_gemm_packed_available():
+        for batch in (1, 2, 4, 8, 16, 32, 64):
             gemm_rows.append([batch, 2 * batch, round(time_int8_gemm(batch, True), 1),
                               round(time_int8_gemm(batch, False), 1)])
             print(gemm_rows[-1], flush=True)
@@ -116,8 +116,8 @@ def main() -> None:
         "",
         markdown_table(headers, rows),
         "",
-        "The 30 layers' int8 GEMMs alone (exact int32 results either way), VNNI kernel for few rows "
-        "(`kernels/int8_rows.c`) against oneDNN (`torch._int_mm`):" if gemm_rows else "",
+        "The 30 layers' int8 GEMMs alone (exact int32 results either way), the VNNI kernel "
+        "(`kernels/int8_rows.c`, packed weights) against oneDNN (`torch._int_mm`):" if gemm_rows else "",
         "",
         markdown_table(["batch", "GEMM rows (two levels)", "VNNI kernel ms", "torch._int_mm ms"], gemm_rows)
         if gemm_rows else "",

@@ -136,8 +136,9 @@ def test_fused_layer_ops_match_the_torch_path() -> None:
                                rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif(not kernels.int8_gemm_small_available(), reason="this CPU has no AVX512-VNNI")
-@pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 960), (2, 1536, 576), (16, 576, 49152), (3, 100, 7)])
+@pytest.mark.skipif(not kernels.int8_gemm_packed_available(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 960), (2, 1536, 576), (13, 576, 49152), (3, 100, 7),
+                                              (64, 64, 33), (9, 4, 16)])
 def test_vnni_int8_gemm_is_exact(rows: int, k: int, n: int) -> None:
     from tokenmill.model.quant import make_linear
 
@@ -145,4 +146,5 @@ def test_vnni_int8_gemm_is_exact(rows: int, k: int, n: int) -> None:
     layer.load(torch.randn(n, k))
     q = torch.randint(-128, 128, (rows, k), dtype=torch.int8)
     expected = q.int() @ layer.qweight.int().T
-    assert torch.equal(kernels.int8_gemm_small(q, layer.qweight, layer.weight_sum128), expected)
+    assert layer.packed is not None and layer.weight_sum128 is not None
+    assert torch.equal(kernels.int8_gemm_packed(q, layer.packed, layer.weight_sum128, n), expected)

@@ -93,29 +93,42 @@ def _dequantize_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 @functools.cache
-def _gemm_small_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _gemm_packed_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     lib = load_library("int8_rows")
-    if lib is None or not lib.int8_gemm_small_available():
+    if lib is None or not lib.int8_gemm_packed_available():
         return None
-    return _function("int8_rows", "int8_gemm_small", [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64])
+    return _function("int8_rows", "int8_gemm_packed", [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64])
 
 
-# Up to this many activation rows the VNNI kernel streams the weights faster than oneDNN (benchmarks/
-# bench_kernels.py); beyond it the GEMM is compute-bound and oneDNN's blocking wins.
-GEMM_SMALL_MAX_ROWS = 16
+# Up to this many activation rows the packed VNNI kernel beats oneDNN (it streams the weights at memory speed);
+# beyond, the GEMM is compute-bound and oneDNN's cache blocking wins (benchmarks/bench_kernels.py).
+GEMM_PACKED_MAX_ROWS = 64
 
 
-def int8_gemm_small_available() -> bool:
-    return _gemm_small_fn() is not None
+def int8_gemm_packed_available() -> bool:
+    return _gemm_packed_fn() is not None
 
 
-def int8_gemm_small(q: torch.Tensor, weight: torch.Tensor, weight_sum128: torch.Tensor) -> torch.Tensor:
-    """Exact q [rows, k] int8 x weight [n, k] int8 -> int32 [rows, n] (the same result as `torch._int_mm`)."""
-    fn = _gemm_small_fn()
-    assert fn is not None and q.is_contiguous() and weight.is_contiguous() and weight_sum128.dtype == torch.int32
-    rows, n = q.shape[0], weight.shape[0]
+def pack_vnni(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weight [n, k] (k a multiple of 4) -> (packed [ceil(n/16), k/4, 16, 4], 128 * row sums [ceil(n/16)*16])
+    in the layout `int8_gemm_packed` reads (see int8_rows.c)."""
+    n, k = weight.shape
+    padded = -(-n // 16) * 16
+    rows = torch.zeros(padded, k, dtype=torch.int8)
+    rows[:n] = weight
+    packed = rows.reshape(padded // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, rows.sum(dim=1, dtype=torch.int32) * 128
+
+
+def int8_gemm_packed(q: torch.Tensor, packed: torch.Tensor, weight_sum128: torch.Tensor, n: int) -> torch.Tensor:
+    """Exact q [rows, k] int8 x weight [n, k] int8 (packed by `pack_vnni`) -> int32 [rows, n]; the same result
+    as `torch._int_mm(q, weight.t())`."""
+    fn = _gemm_packed_fn()
+    assert fn is not None and q.is_contiguous() and packed.is_contiguous() and weight_sum128.dtype == torch.int32
+    rows, k = q.shape
+    assert k % 4 == 0 and packed.shape[1] * 4 == k
     out = torch.empty(rows, n, dtype=torch.int32)
-    fn(q.data_ptr(), weight.data_ptr(), weight_sum128.data_ptr(), out.data_ptr(), rows, n, q.shape[1])
+    fn(q.data_ptr(), packed.data_ptr(), weight_sum128.data_ptr(), out.data_ptr(), rows, n, k)
     return out
 
 
@@ -176,7 +189,7 @@ def prepare() -> str:
     ready = {
         "attention": _attention_fn() is not None,
         "int8 rows": int8_rows_available(),
-        "VNNI int8 GEMM": int8_gemm_small_available(),
+        "VNNI int8 GEMM": int8_gemm_packed_available(),
         "layer ops": _layer_fns() is not None,
     }
     return "native CPU kernels: " + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in ready.items())

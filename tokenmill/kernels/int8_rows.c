@@ -49,42 +49,74 @@ void dequantize_two_level(const int32_t *acc, int64_t rows, int64_t n, const flo
     }
 }
 
-// Exact int8 GEMM for a few rows: out[m, n] = sum_k q[m, k] * w[n, k] in int32. Decode steps at small batch
-// are bound by streaming the weights once; oneDNN's `_int_mm` reaches about half the memory bandwidth there.
-// Integer sums are exact, so this and `_int_mm` give identical results and can be chosen by row count.
-// AVX512-VNNI's dot product is unsigned x signed: q is offset to q + 128 (xor 0x80) and 128 * sum_k w[n, k]
-// (`w_sum128`, computed at load) is subtracted again.
+// Exact int8 GEMM for up to a few dozen rows: out[r, j] = sum_c q[r, c] * w[j, c] in int32. Decode steps at
+// small batch are bound by streaming the weights; oneDNN's `_int_mm` reaches about half the memory bandwidth
+// there, this kernel nearly all of it (benchmarks/bench_kernels.py). Integer sums are exact, so both give
+// identical results and the caller may choose by row count.
+//
+// Weights are packed at load (model/quant.py: pack_vnni) as [n/16][k/4][16][4]: one 64-byte vector holds four
+// consecutive k of 16 outputs, so `vpdpbusd` with four broadcast activations accumulates 16 outputs per lane and
+// no horizontal sum is needed. The instruction multiplies unsigned by signed bytes: activations are offset to
+// q + 128 (xor 0x80) and 128 * sum_c w[j, c] (`w_sum128`, from the load) is subtracted again.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#include <string.h>
 
-int int8_gemm_small_available(void) { return 1; }
+int int8_gemm_packed_available(void) { return 1; }
 
-void int8_gemm_small(const int8_t *q, const int8_t *w, const int32_t *w_sum128, int32_t *out, int64_t rows,
-                     int64_t n, int64_t k) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
+static inline __m512i broadcast_quad(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v ^ (int32_t)0x80808080);
+}
+
+// ROWS activation rows (rows past `valid` repeat the first and are not stored) against one block of 16 outputs.
+#define ROW_BLOCK(ROWS)                                                                                           \
+    static inline void row_block_##ROWS(const int8_t *q, int64_t valid, const int8_t *wb, int64_t quads,        \
+                                        __m512i corr, __mmask16 mask, int32_t *out, int64_t k, int64_t n) {      \
+        const int8_t *x[ROWS];                                                                                   \
+        __m512i acc[ROWS];                                                                                       \
+        for (int i = 0; i < ROWS; ++i) {                                                                         \
+            x[i] = q + (i < valid ? i : 0) * k;                                                                  \
+            acc[i] = _mm512_setzero_si512();                                                                     \
+        }                                                                                                        \
+        for (int64_t c = 0; c < quads; ++c) {                                                                    \
+            const __m512i w = _mm512_loadu_si512(wb + c * 64);                                                   \
+            for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], broadcast_quad(x[i] + 4 * c), w); \
+        }                                                                                                        \
+        for (int i = 0; i < ROWS && i < valid; ++i)                                                              \
+            _mm512_mask_storeu_epi32(out + i * n, mask, _mm512_sub_epi32(acc[i], corr));                         \
+    }
+ROW_BLOCK(4)
+ROW_BLOCK(8)
+
+// q [rows, k] (k a multiple of 4), w_packed [ceil(n/16)][k/4][16][4], w_sum128 [ceil(n/16) * 16], out [rows, n]
+void int8_gemm_packed(const int8_t *q, const int8_t *w_packed, const int32_t *w_sum128, int32_t *out,
+                      int64_t rows, int64_t n, int64_t k) {
+    const int64_t quads = k / 4, blocks = (n + 15) / 16;
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < n; n0 += 4) {
-        const int64_t count = n - n0 < 4 ? n - n0 : 4;
-        for (int64_t r = 0; r < rows; ++r) {
-            __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                              _mm512_setzero_si512()};
-            for (int64_t c = 0; c < k; c += 64) {
-                const __mmask64 mask = k - c >= 64 ? ~0ULL : ((1ULL << (k - c)) - 1);
-                // masked-off lanes: q 0 -> 128, w 0: their product is 0
-                const __m512i x = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, q + r * k + c), flip);
-                for (int64_t j = 0; j < count; ++j)
-                    acc[j] = _mm512_dpbusd_epi32(acc[j], x, _mm512_maskz_loadu_epi8(mask, w + (n0 + j) * k + c));
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t *wb = w_packed + b * quads * 64;
+        const __m512i corr = _mm512_loadu_si512(w_sum128 + b * 16);
+        const int64_t left = n - b * 16;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        for (int64_t r = 0; r < rows;) {
+            const int64_t valid = rows - r;
+            if (valid > 4) {
+                row_block_8(q + r * k, valid, wb, quads, corr, mask, out + r * n + b * 16, k, n);
+                r += 8;
+            } else {
+                row_block_4(q + r * k, valid, wb, quads, corr, mask, out + r * n + b * 16, k, n);
+                r += 4;
             }
-            for (int64_t j = 0; j < count; ++j)
-                out[r * n + n0 + j] = _mm512_reduce_add_epi32(acc[j]) - w_sum128[n0 + j];
         }
     }
 }
 #else
-int int8_gemm_small_available(void) { return 0; }
+int int8_gemm_packed_available(void) { return 0; }
 
-void int8_gemm_small(const int8_t *q, const int8_t *w, const int32_t *w_sum128, int32_t *out, int64_t rows,
-                     int64_t n, int64_t k) {
-    (void)q, (void)w, (void)w_sum128, (void)out, (void)rows, (void)n, (void)k;
+void int8_gemm_packed(const int8_t *q, const int8_t *w_packed, const int32_t *w_sum128, int32_t *out,
+                      int64_t rows, int64_t n, int64_t k) {
+    (void)q, (void)w_packed, (void)w_sum128, (void)out, (void)rows, (void)n, (void)k;
 }
 #endif

@@ -125,15 +125,18 @@ class Int8Linear(QuantLinear):
         super().__init__(in_features, out_features, bias)
         self.qweight: torch.Tensor  # [out, in] int8, used transposed (oneDNN reads it as a [in, out] view)
         self.scale: torch.Tensor  # [out] float32 per output channel
-        self.weight_sum128: torch.Tensor  # [out] int32: 128 * sum of each weight row (the VNNI kernel's offset)
+        # The same weights packed for the VNNI kernel (kernels/int8_rows.c), which serves small batches; None where
+        # that kernel is unavailable. Two layouts cost one more int8 copy (~135 MB on SmolLM2).
+        self.packed: torch.Tensor | None = None
+        self.weight_sum128: torch.Tensor | None = None
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features))
-        self.register_buffer("weight_sum128", torch.zeros(out_features, dtype=torch.int32))
 
     def _load_weight(self, weight: torch.Tensor) -> None:
         qweight, scale = quantize_rows(weight)
         self.qweight, self.scale = qweight.contiguous(), scale.squeeze(1).contiguous()
-        self.weight_sum128 = (qweight.sum(dim=1, dtype=torch.int32) * 128).contiguous()
+        if kernels.int8_gemm_packed_available() and self.in_features % 4 == 0:
+            self.packed, self.weight_sum128 = kernels.pack_vnni(self.qweight)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         return self.qweight[index].float() * self.scale[index].unsqueeze(-1)
@@ -145,8 +148,9 @@ class Int8Linear(QuantLinear):
             rows = rows.contiguous()
         native = rows.device.type == "cpu" and kernels.int8_rows_available()
         q, scales = kernels.quantize_two_level(rows) if native else quantize_two_level(rows)
-        if native and q.shape[0] <= kernels.GEMM_SMALL_MAX_ROWS and kernels.int8_gemm_small_available():
-            acc = kernels.int8_gemm_small(q, self.qweight, self.weight_sum128)
+        if native and self.packed is not None and q.shape[0] <= kernels.GEMM_PACKED_MAX_ROWS:
+            assert self.weight_sum128 is not None
+            acc = kernels.int8_gemm_packed(q, self.packed, self.weight_sum128, self.out_features)
         else:
             acc = torch._int_mm(q, self.qweight.t())
         if native:
