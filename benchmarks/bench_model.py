@@ -99,15 +99,16 @@ def peak_load_rss_mb(mode: str, materialize: bool = False) -> float:
 
     `materialize` first reads every weight into one float32 state dict, as the loader did before weights were
     converted one tensor at a time."""
+    # VmHWM, not ru_maxrss: a child's ru_maxrss starts from its parent's peak (Linux keeps it across exec).
     code = (
-        "import resource, json\n"
+        "import re\n"
         "from tokenmill.config import EngineConfig\n"
         "from tokenmill.executor.model_runner import ModelRunner\n"
         "from tokenmill.model.loader import load_model\n"
         "m = load_model(None)\n"
         f"w = dict(m.weights) if {materialize} else m.weights\n"
         f"ModelRunner(EngineConfig(quantization={mode!r}, num_kv_blocks=4), m.config, w)\n"
-        "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))\n"
+        "print(int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) / 1024)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -25,6 +25,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
+from tokenmill.platform import in_passing_thread
 from tokenmill.server.metrics import EngineMetrics
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder
@@ -284,7 +285,9 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, 
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine.from_config(config)
+    # The engine steps in its own thread: load the model in a passing thread, so that the engine thread's
+    # OpenMP team is the only one alive while serving (see platform.in_passing_thread).
+    engine = in_passing_thread(lambda: LLMEngine.from_config(config))
     app = build_app(engine, served_model_name, api_key)
     logger.info("serving %s on http://%s:%d (KV blocks: %d x %d tokens)", served_model_name or
                 default_model_name(config), host, port, engine.core.kv.num_blocks, config.block_size)
