@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE, LONG_PARAGRAPH
+from tokenmill import kernels
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
 from tokenmill.executor.model_runner import ModelRunner
@@ -27,6 +28,8 @@ LOGIT_TOLERANCE = {"none": 1e-4, "int8": 2e-2, "bf16": 5e-2}
 def runner(request, loaded_model) -> ModelRunner:  # noqa: ANN001
     if request.param == "int8" and DEVICE != "cpu":
         pytest.skip("int8 is a CPU execution mode")
+    if request.param != "none" and not (DEVICE == "cpu" and kernels.native_attention_available()):
+        pytest.skip("quantized modes are batch-invariant only with the native CPU attention kernel")
     config = EngineConfig(num_kv_blocks=256, block_size=BLOCK, device=DEVICE, quantization=request.param)
     return ModelRunner(config, loaded_model.config, loaded_model.weights)
 

@@ -222,6 +222,10 @@ def dequantize_two_level(acc: torch.Tensor, scales: torch.Tensor, weight_scale: 
     return out
 
 
+def native_attention_available() -> bool:
+    return _attention_fn() is not None
+
+
 def attention_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the native kernel takes these tensors (float32 on CPU, shapes within its compiled limits)."""
     num_heads, head_dim = query.shape[1], query.shape[2]

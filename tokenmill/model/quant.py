@@ -35,7 +35,8 @@ def resolve_quantization(mode: str, device: str) -> str:
 
     Measured on this project's CPUs (benchmarks/bench_kernels.py): int8 with dynamic per-token activations is
     the fastest at every batch size on AVX-512 VNNI hosts (2-4x float32) and still ahead on AVX2-only hosts,
-    where bf16 has no native instructions. On GPUs `auto` keeps float32 (the verified path there).
+    where bf16 has no native instructions. On GPUs, and on CPUs where the native kernels cannot be built,
+    `auto` keeps float32.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
@@ -47,6 +48,11 @@ def resolve_quantization(mode: str, device: str) -> str:
     has_int8 = bool(flags & {"avx2", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"})
     has_bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
     if mode == "auto":
+        # Quantized modes are batch-invariant only with the native attention kernel (the torch fallback rounds
+        # differently per chunk size, which int8/bf16 activations amplify): without it, stay exact in float32.
+        if not kernels.native_attention_available():
+            logger.warning("native CPU kernels unavailable (no C compiler?): running float32")
+            return "none"
         return "int8" if has_int8 else ("bf16" if has_bf16 else "none")
     if mode == "bf16" and not has_bf16:
         logger.warning("this CPU has no native bf16 instructions: bf16 linears will be slow")
