@@ -120,6 +120,25 @@ def pack_vnni(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, rows.sum(dim=1, dtype=torch.int32) * 128
 
 
+@functools.cache
+def _linear_packed_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if _gemm_packed_fn() is None:
+        return None
+    return _function("int8_rows", "int8_linear_packed", [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64])
+
+
+def int8_linear_packed(x: torch.Tensor, packed: torch.Tensor, weight_sum128: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """The whole two-level int8 linear for x [rows, k] float32 (rows contiguous) in one native call: the same
+    result as quantize_two_level + int8_gemm_packed + dequantize_two_level."""
+    fn = _linear_packed_fn()
+    assert fn is not None and x.dtype == torch.float32 and x.stride(1) == 1 and packed.shape[1] * 4 == x.shape[1]
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), weight_sum128.data_ptr(),
+       weight_scale.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+    return out
+
+
 def int8_gemm_packed(q: torch.Tensor, packed: torch.Tensor, weight_sum128: torch.Tensor, n: int) -> torch.Tensor:
     """Exact q [rows, k] int8 x weight [n, k] int8 (packed by `pack_vnni`) -> int32 [rows, n]; the same result
     as `torch._int_mm(q, weight.t())`."""

@@ -5,6 +5,7 @@
 // Each row is handled on its own, with the same float operations as the torch fallback in model/quant.py.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define PARALLEL_MIN_ELEMENTS 65536
 
@@ -112,8 +113,30 @@ void int8_gemm_packed(const int8_t *q, const int8_t *w_packed, const int32_t *w_
         }
     }
 }
+// The whole int8 linear for a few rows in one call (quantize, packed GEMM, dequantize): at batch 1 the three
+// separate calls and their buffers cost as much as the GEMM itself.
+void int8_linear_packed(const float *x, int64_t rows, int64_t k, int64_t x_stride, const int8_t *w_packed,
+                        const int32_t *w_sum128, const float *weight_scale, const float *bias, float *out,
+                        int64_t n) {
+    int8_t *q = malloc((size_t)(2 * rows * k));
+    float *scales = malloc(sizeof(float) * (size_t)(2 * rows));
+    int32_t *acc = malloc(sizeof(int32_t) * (size_t)(2 * rows * n));
+    quantize_two_level(x, rows, k, x_stride, q, scales);
+    int8_gemm_packed(q, w_packed, w_sum128, acc, 2 * rows, n, k);
+    dequantize_two_level(acc, rows, n, scales, weight_scale, bias, out);
+    free(q);
+    free(scales);
+    free(acc);
+}
 #else
 int int8_gemm_packed_available(void) { return 0; }
+
+void int8_linear_packed(const float *x, int64_t rows, int64_t k, int64_t x_stride, const int8_t *w_packed,
+                        const int32_t *w_sum128, const float *weight_scale, const float *bias, float *out,
+                        int64_t n) {
+    (void)x, (void)rows, (void)k, (void)x_stride, (void)w_packed, (void)w_sum128, (void)weight_scale, (void)bias,
+        (void)out, (void)n;
+}
 
 void int8_gemm_packed(const int8_t *q, const int8_t *w_packed, const int32_t *w_sum128, int32_t *out,
                       int64_t rows, int64_t n, int64_t k) {

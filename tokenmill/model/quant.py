@@ -153,16 +153,17 @@ class Int8Linear(QuantLinear):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         native = rows.device.type == "cpu" and kernels.int8_rows_available()
-        q, scales = kernels.quantize_two_level(rows) if native else quantize_two_level(rows)
-        if native and self.packed is not None and q.shape[0] <= kernels.GEMM_PACKED_MAX_ROWS:
+        if native and self.packed is not None and 2 * rows.shape[0] <= kernels.GEMM_PACKED_MAX_ROWS:
             assert self.weight_sum128 is not None
-            acc = kernels.int8_gemm_packed(q, self.packed, self.weight_sum128, self.out_features)
-        else:
+            y = kernels.int8_linear_packed(rows, self.packed, self.weight_sum128, self.scale, self.bias,
+                                           self.out_features)
+        elif native:
+            q, scales = kernels.quantize_two_level(rows)
             acc = torch._int_mm(q, self.qweight.t())
-        if native:
             y = kernels.dequantize_two_level(acc, scales, self.scale, self.bias)
         else:
-            y = dequantize_two_level(acc, scales, self.scale, self.bias)
+            q, scales = quantize_two_level(rows)
+            y = dequantize_two_level(torch._int_mm(q, self.qweight.t()), scales, self.scale, self.bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
