@@ -59,8 +59,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
                                result.stderr[-2000:])
                 return None
             os.replace(built, target)  # atomic: concurrent processes never load a half-written file
-    # torch has already loaded its libgomp; the kernel's libgomp.so.1 dependency resolves to that same copy.
-    torch.get_num_threads()
+    # `import torch` has loaded torch's libgomp.so.1; the kernel's dependency on that soname resolves to it.
     return ctypes.CDLL(str(target))
 
 
