@@ -6,7 +6,8 @@
   prompts and settings; OpenVINO GenAI runs when `../shared/peers/openvino.sh setup` was done.
 - serving: `tokenmill serve` (no flags: the default fast path) and llama.cpp's `llama-server` (when
   `../shared/peers/llamacpp.sh build` was done), each driven by `tokenmill bench serve`'s load generator: one
-  stream (32-token prompt, 256 output tokens, EOS ignored) and 32 `mixed` requests at once.
+  stream (32-token prompt, 256 output tokens, EOS ignored), 32 `mixed` requests at once, and the worst stall
+  of short streams while a 3,000-token prompt arrives (`long-interference`).
 
 `python benchmarks/bench_peers.py` prints the tables and writes the "peers" section of docs/BENCHMARKS.md.
 Run it on an idle machine: the servers are measured one after the other, never side by side.
@@ -35,6 +36,7 @@ from tokenmill.bench.loadgen import run_load
 from tokenmill.bench.report import machine_description, markdown_table, write_section
 from tokenmill.bench.server_process import free_port, live_server
 from tokenmill.bench.stats import summarize
+from tokenmill.bench.sweep import worst_gap_during_long_prefill
 from tokenmill.model.loader import resolve_model_path
 from tokenmill.model.tokenizer import Tokenizer
 
@@ -105,7 +107,9 @@ def serve_runs(url: str, model: str, tokenizer: Tokenizer) -> dict[str, dict[str
     single = max(singles, key=lambda s: s["output_throughput"])
     mixed_items = workloads.mixed(tokenizer, 32, seed=0)
     results, duration = asyncio.run(run_load(url, model, mixed_items))
-    return {"single": single, "mixed": summarize(results, duration)}
+    interference, _ = asyncio.run(run_load(url, model, workloads.long_interference(tokenizer, seed=0)))
+    return {"single": single, "mixed": summarize(results, duration),
+            "stall": worst_gap_during_long_prefill(interference)}
 
 
 def main() -> None:
@@ -151,18 +155,21 @@ def main() -> None:
             single, mixed = result["single"], result["mixed"]
             table.append([name, round(single["output_throughput"], 1), round(mixed["total_token_throughput"], 1),
                           round(mixed["output_throughput"], 1), round(mixed["itl_s"]["p50"] * 1000, 1),
-                          round(mixed["ttft_s"]["p50"], 2)])
+                          round(mixed["ttft_s"]["p50"], 2), round(result["stall"], 2)])
             print(name, table[-1], flush=True)
         if theirs:
             ratio_single = ours_serve["single"]["output_throughput"] / theirs["single"]["output_throughput"]
             ratio_mixed = ours_serve["mixed"]["total_token_throughput"] / theirs["mixed"]["total_token_throughput"]
-            table.append(["tokenmill / llama.cpp", f"{ratio_single:.2f}", f"{ratio_mixed:.2f}", "", "", ""])
+            table.append(["tokenmill / llama.cpp", f"{ratio_single:.2f}", f"{ratio_mixed:.2f}", "", "", "",
+                          f"{ours_serve['stall'] / theirs['stall']:.2f}"])
         policy = args.omp_wait_policy or "libgomp's default"
         lines += ["Serving over loopback with `tokenmill bench serve`'s load generator (tokenmill with "
                   f"OMP_WAIT_POLICY {policy}): one stream of 256 tokens after a 32-token prompt (best of 3), "
-                  "and 32 `mixed` requests at once (prompts 32-512, outputs 8-512 heavy-tailed, EOS ignored).", "",
+                  "and 32 `mixed` requests at once (prompts 32-512, outputs 8-512 heavy-tailed, EOS ignored); last "
+                  "column: `long-interference`, the longest stall of 4 short streams while a 3,000-token prompt "
+                  "arrives and is prefilled (tokenmill with its default chunked prefill, 512 tokens a step).", "",
                   markdown_table(["server", "single stream tok/s", "32 mixed: total tok/s", "32 mixed: output tok/s",
-                                  "32 mixed: ITL p50 ms", "32 mixed: TTFT p50 s"], table)]
+                                  "32 mixed: ITL p50 ms", "32 mixed: TTFT p50 s", "worst stall s"], table)]
     if not args.no_write:
         write_section("peers", "\n".join(lines))
         print("wrote docs/BENCHMARKS.md (peers)")

@@ -89,6 +89,19 @@ def plot_rates(data: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ 2. long prompt interference
 
 
+def stream_gaps(results: list[RequestResult]) -> list[tuple[float, float]]:
+    """(previous chunk time, chunk time) of every consecutive pair in the short streams (all but the last)."""
+    return [(a, b) for r in results[:-1] for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+
+
+def worst_gap_during_long_prefill(results: list[RequestResult]) -> float:
+    """`long-interference`: the longest stall of a short stream between the long prompt's arrival (the last
+    request) and its first token (+0.5 s)."""
+    long_result = results[-1]
+    end = long_result.start + (long_result.ttft or 0.0) + 0.5
+    return max((b - a for a, b in stream_gaps(results) if b >= long_result.start and a <= end), default=0.0)
+
+
 def exp_interference(tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, Any]:
     items = workloads.long_interference(tokenizer, args.seed, long_prompt=args.long_prompt)
     configs = [("chunked, budget 256", 256), ("chunked, budget 1024", 1024), ("no chunking", 4096)]
@@ -96,14 +109,11 @@ def exp_interference(tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str
     for name, budget in configs:
         with live_server("--max-num-batched-tokens", str(budget), "--no-prefix-caching") as srv:
             results, _ = _load(srv.url, items, float("inf"), args.seed)
-        long_result, shorts = results[-1], results[:-1]
-        arrival = long_result.start
-        end = arrival + (long_result.ttft or 0.0) + 0.5
-        pairs = [(a, b) for r in shorts for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-        gaps_during = [b - a for a, b in pairs if b >= arrival and a <= end]
-        gaps_before = [b - a for a, b in pairs if b < arrival]
-        timeline = [(b - arrival, b - a) for a, b in pairs]
-        out[name] = {"budget": budget, "worst_gap": max(gaps_during, default=0.0),
+        long_result = results[-1]
+        pairs = stream_gaps(results)
+        gaps_before = [b - a for a, b in pairs if b < long_result.start]
+        timeline = [(b - long_result.start, b - a) for a, b in pairs]
+        out[name] = {"budget": budget, "worst_gap": worst_gap_during_long_prefill(results),
                      "median_gap_before": statistics.median(gaps_before) if gaps_before else 0.0,
                      "long_ttft": long_result.ttft, "timeline": timeline}
         print(f"  {name:>22}: worst gap during long prefill {out[name]['worst_gap']:.2f} s, "
