@@ -77,7 +77,7 @@ def time_attention(batch: int, context: int) -> tuple[float, float]:
     out = torch.empty_like(q)
     native = median_ms(lambda: kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens,
                                                        meta.block_tables, 0.125))
-    reference = median_ms(lambda: _decode_attention_torch(q, k_cache, v_cache, meta, 0.125))
+    reference = median_ms(lambda: _decode_attention_torch(q, k_cache, v_cache, meta.reference, 0.125))
     return native, reference
 
 

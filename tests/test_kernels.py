@@ -61,7 +61,8 @@ def test_native_attention_matches_the_torch_reference(heads, kv_heads, head_dim,
                                                       monkeypatch) -> None:  # noqa: ANN001
     batch = Batch(0, heads, kv_heads, head_dim, block_size, seqs)
     meta = batch.meta()
-    assert kernels.attention_supported(batch.q, batch.k_cache), "the kernel did not build on a machine with gcc"
+    supported = kernels.attention_supported(batch.q, batch.q.shape[1], batch.k_cache)
+    assert supported, "the kernel did not build on a machine with gcc"
     native = batch.run(meta, batch.q, batch.k, batch.v)
     monkeypatch.setattr(attention.kernels, "attention_supported", lambda *_: False)
     reference = batch.run(meta, batch.q, batch.k, batch.v)
@@ -91,11 +92,11 @@ def test_a_token_gets_bit_identical_attention_whatever_its_chunk_or_batch() -> N
 def test_unsupported_shapes_fall_back() -> None:
     query = torch.randn(2, 128, 64)
     k_cache, _ = allocate_kv_cache(4, 16, 1, 64, torch.float32, CPU)
-    assert not kernels.attention_supported(query, k_cache)  # 128 query heads per kv head > 64
+    assert not kernels.attention_supported(query, 128, k_cache)  # 128 query heads per kv head > 64
     k_cache, _ = allocate_kv_cache(4, 128, 8, 64, torch.float32, CPU)
-    assert not kernels.attention_supported(torch.randn(2, 8, 64), k_cache)  # blocks of 128 tokens > 64
+    assert not kernels.attention_supported(torch.randn(2, 8, 64), 8, k_cache)  # blocks of 128 tokens > 64
     k_cache, _ = allocate_kv_cache(4, 16, 8, 64, torch.float64, CPU)
-    assert not kernels.attention_supported(torch.randn(2, 8, 64).double(), k_cache)
+    assert not kernels.attention_supported(torch.randn(2, 8, 64).double(), 8, k_cache)
 
 
 def test_fused_layer_ops_match_the_torch_path() -> None:

@@ -244,10 +244,10 @@ def native_attention_available() -> bool:
     return _attention_fn() is not None
 
 
-def attention_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the native kernel takes these tensors (float32 on CPU, shapes within its compiled limits)."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
+def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tensor) -> bool:
+    """Whether the native kernel takes a float32 CPU `query` of `num_heads` heads over this K cache (shapes
+    within its compiled limits)."""
+    num_kv_heads, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     return (
         query.device.type == "cpu" and query.dtype == torch.float32 and k_cache.dtype == torch.float32
         and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK

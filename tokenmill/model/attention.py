@@ -15,6 +15,7 @@ over their gathered blocks, sequences with several (prompt chunks) one flash-SDP
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,17 +37,26 @@ class PrefillSlice:
 
 
 @dataclass
+class ReferenceSplit:
+    """The torch reference path's view of a batch: decodes attended in one batched call, prompt chunks one by
+    one."""
+
+    decode_rows: torch.Tensor  # [Bd] flat rows of single-token sequences
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks]
+    decode_seq_lens: torch.Tensor  # [Bd] context length including this step's token
+    prefills: list[PrefillSlice]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of every new token
     query_start: torch.Tensor  # [B+1] sequence i owns flat rows query_start[i] .. query_start[i+1]
     seq_lens: torch.Tensor  # [B] context length after this step
     block_tables: torch.Tensor  # [B, max_blocks] padded physical block ids
-    # The torch reference path's split: decodes batched, prompt chunks one by one.
-    decode_rows: torch.Tensor  # [Bd] flat rows of single-token sequences
-    decode_block_tables: torch.Tensor  # [Bd, max_blocks]
-    decode_seq_lens: torch.Tensor  # [Bd] context length including this step's token
-    prefills: list[PrefillSlice]
     block_size: int
+    query_lens_np: np.ndarray  # the numpy inputs, kept for the reference split
+    seq_lens_np: np.ndarray
+    block_tables_np: np.ndarray
 
     @staticmethod
     def build(
@@ -57,6 +67,23 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
     ) -> AttentionMetadata:
+        block_tables = np.ascontiguousarray(block_tables)
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start=torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)])).to(device),
+            seq_lens=torch.from_numpy(seq_lens).to(device),
+            block_tables=torch.from_numpy(block_tables).to(device),
+            block_size=block_size,
+            query_lens_np=query_lens,
+            seq_lens_np=seq_lens,
+            block_tables_np=block_tables,
+        )
+
+    @functools.cached_property
+    def reference(self) -> ReferenceSplit:
+        """Built on first use only: the native kernel, which serves CPU steps, needs none of it."""
+        device, block_size = self.slot_mapping.device, self.block_size
+        query_lens, seq_lens, tables = self.query_lens_np, self.seq_lens_np, self.block_tables_np
         starts = np.cumsum(query_lens) - query_lens
         is_decode = query_lens == 1
         decode_lens = seq_lens[is_decode]
@@ -69,18 +96,13 @@ class AttentionMetadata:
                 # query j sits at absolute position seq_len - q_len + j and sees keys up to it.
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-            table = torch.from_numpy(block_tables[i, :-(-seq_len // block_size)]).to(device)
+            table = torch.from_numpy(tables[i, :-(-seq_len // block_size)]).to(device)
             prefills.append(PrefillSlice(start, start + q_len, seq_len, table, mask))
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start=torch.from_numpy(np.append(starts, starts[-1] + query_lens[-1])).to(device),
-            seq_lens=torch.from_numpy(seq_lens).to(device),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(device),
+        return ReferenceSplit(
             decode_rows=torch.from_numpy(starts[is_decode]).to(device),
-            decode_block_tables=torch.from_numpy(np.ascontiguousarray(block_tables[is_decode, :max_blocks])).to(device),
+            decode_block_tables=torch.from_numpy(np.ascontiguousarray(tables[is_decode, :max_blocks])).to(device),
             decode_seq_lens=torch.from_numpy(decode_lens).to(device),
             prefills=prefills,
-            block_size=block_size,
         )
 
 
@@ -123,12 +145,13 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
-    if kernels.attention_supported(q, k_cache):
+    if kernels.attention_supported(q, q.shape[1], k_cache):
         kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, scale)
         return out
-    if meta.decode_rows.numel():
-        out[meta.decode_rows] = _decode_attention_torch(q[meta.decode_rows], k_cache, v_cache, meta, scale)
-    for p in meta.prefills:
+    split = meta.reference
+    if split.decode_rows.numel():
+        out[split.decode_rows] = _decode_attention_torch(q[split.decode_rows], k_cache, v_cache, split, scale)
+    for p in split.prefills:
         # 4-D [1, heads, q, hd] inputs: torch's CPU flash kernel only takes batched 4-D tensors; 3-D ones fall
         # back to the math path, which is 6x slower on a 3,000-token prompt.
         query = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
@@ -146,11 +169,11 @@ def paged_attention(
 
 
 def _decode_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                            split: ReferenceSplit, scale: float) -> torch.Tensor:
     """The reference decode path: gather every sequence's blocks (padded), one batched SDPA with a length mask."""
-    keys, values = _gather_kv(k_cache, v_cache, meta.decode_block_tables)
+    keys, values = _gather_kv(k_cache, v_cache, split.decode_block_tables)
     key_index = torch.arange(keys.shape[2], device=query.device)
-    mask = (key_index[None, :] < meta.decode_seq_lens[:, None])[:, None, None, :]
+    mask = (key_index[None, :] < split.decode_seq_lens[:, None])[:, None, None, :]
     attn = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
                                           enable_gqa=True)
     return attn.squeeze(2)

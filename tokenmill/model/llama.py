@@ -91,8 +91,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         k_cache, v_cache = self.kv_cache
         cos, sin = rope
-        if kernels.layer_ops_supported(qkv) and kernels.attention_supported(qkv.view(tokens, -1, self.head_dim),
-                                                                            k_cache):
+        if kernels.layer_ops_supported(qkv) and kernels.attention_supported(qkv, self.num_heads, k_cache):
             q = kernels.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
                                        k_cache, v_cache)
             out = torch.empty_like(q)
