@@ -100,11 +100,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenmill.server.app import run_server
+    from tokenmill.server.app import ServerOptions, run_server
 
-    run_server(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
-               served_model_name=args.served_model_name, log_level=args.log_level)
-    return 0
+    options = ServerOptions(
+        served_model_name=args.served_model_name, api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes, request_timeout=args.request_timeout,
+        shutdown_timeout=args.shutdown_timeout, enable_log_requests=args.enable_log_requests,
+        disable_log_stats=args.disable_log_stats, disable_access_log=args.disable_uvicorn_access_log,
+    )
+    return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
+                      log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"))
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,
+                       help="larger request bodies get 413")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may take from arrival to its last token (then 408); default none")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    serve.add_argument("--enable-log-requests", action="store_true", help="log each request's start and end")
+    serve.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line in the log")
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

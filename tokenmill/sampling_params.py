@@ -26,6 +26,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N alternatives per generated token (the chosen token is always given)
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before penalties and sampling (OpenAI's logit_bias, [-100, 100]).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +69,11 @@ class SamplingParams:
             fail("stop_token_ids must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                fail(f"logit_bias keys must be token ids (non-negative integers), got {token_id!r}")
+            if not -100.0 <= bias <= 100.0:
+                fail(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
 
     @property
     def greedy(self) -> bool:

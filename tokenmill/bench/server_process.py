@@ -28,16 +28,18 @@ class LiveServer:
 
 @contextmanager
 def live_server(*args: str, timeout: float = 180.0, quiet: bool = True,
-                omp_wait_policy: str | None = "PASSIVE") -> Iterator[LiveServer]:
+                omp_wait_policy: str | None = "PASSIVE", module: str = "tokenmill.cli",
+                env: dict[str, str] | None = None) -> Iterator[LiveServer]:
     """Start a server with the given `tokenmill serve` flags, wait until /health answers, stop it after.
 
-    `omp_wait_policy` None leaves OpenMP's default (threads spin a while before sleeping)."""
+    `omp_wait_policy` None leaves OpenMP's default (threads spin a while before sleeping). `module` is run
+    with `python -m MODULE serve ...`; `env` adds environment variables."""
     port = free_port()
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.pop("OMP_WAIT_POLICY", None)
     if omp_wait_policy:
         env["OMP_WAIT_POLICY"] = omp_wait_policy
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
+    cmd = [sys.executable, "-m", module, "serve", "--port", str(port), "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT,
                             text=True)
     base = f"http://127.0.0.1:{port}"

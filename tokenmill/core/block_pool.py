@@ -80,6 +80,10 @@ class BlockPool:
         block.token_ids = token_ids
         self._cached[block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a block from the cache index (it stays allocated to its owners)."""
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

@@ -115,6 +115,16 @@ class KVCacheManager:
                                   tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
         self._num_hashed[request.request_id] = max(start, end)
 
+    def forget_cached_blocks(self, request_id: str, from_token: int) -> None:
+        """Take the request's blocks holding positions >= from_token out of the prefix-cache index (their KV
+        was never completely written)."""
+        blocks = self.req_blocks.get(request_id, [])
+        first = from_token // self.block_size
+        for block in blocks[first:]:
+            self.pool.uncache(block)
+        if request_id in self._num_hashed:
+            self._num_hashed[request_id] = min(self._num_hashed[request_id], first)
+
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, [])
         self._num_hashed.pop(request_id, None)

@@ -43,6 +43,7 @@ class SchedulerStats:
     kv_reserved_tokens: int = 0  # slots in the blocks those requests hold
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_generated_tokens: int = 0  # sampled this step (set after the step)
     num_padding_tokens: int = 0
     num_preemptions: int = 0
     prefix_queries: int = 0

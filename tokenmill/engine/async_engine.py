@@ -9,6 +9,7 @@ leave the core only through a command queue that the thread drains between steps
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tokenmill.core.scheduler import EngineCoreOutput
-from tokenmill.engine.core import StepRecord
+from tokenmill.engine.core import ModelStepError, StepRecord
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
@@ -31,7 +32,15 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop has stopped for good (HTTP 503); a supervisor should restart the process."""
+
+
+class EngineStepError(RuntimeError):
+    """The model step this request was in raised; the request is failed (HTTP 500), the engine goes on."""
+
+
+# After this many model steps in a row have raised, the executor is taken to be broken: the engine dies.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 StepListener = Callable[[StepRecord], None]
@@ -47,8 +56,11 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._parents: dict[str, str] = {}  # engine request (one per sample) -> the request id it belongs to
         self.step_listeners: list[StepListener] = []
         self.state_listeners: list[Callable[[int, int, float], None]] = []  # after commands applied when idle
+        self.fatal_listeners: list[Callable[[BaseException], None]] = []  # the engine loop died
+        self.dead_error: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -82,7 +94,7 @@ class AsyncLLM:
                     try:
                         core.add_request(child)
                     except ValueError as exc:  # checked before sending; only a race could get here
-                        self._post(self._fail_request, child.request_id, exc)
+                        self._post(self._fail_requests, [child.request_id], exc)
             elif kind == "abort":
                 core.abort_requests(payload)
             elif kind == "finish":
@@ -90,22 +102,38 @@ class AsyncLLM:
 
     def _run(self) -> None:
         core = self.engine.core
-        while not self._stop:
-            if self._commands:
-                self._apply_commands()
-                self._post(self._on_state, *core.current_state())
-            if not core.has_unfinished_requests():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = core.step()
-            except Exception as exc:  # a bug must not kill the loop silently: fail in-flight requests, go on
-                logger.exception("engine step failed")
+        failures_in_a_row = 0
+        try:
+            while not self._stop:
+                if self._commands:
+                    self._apply_commands()
+                    self._post(self._on_state, *core.current_state())
+                if not core.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = core.step()
+                except ModelStepError as exc:
+                    # Fault isolation: only the requests of this step fail; the rest keep their state and KV.
+                    failures_in_a_row += 1
+                    failed = core.fail_step(exc.plan)
+                    logger.error("model step failed (%d in a row); failing its %d requests: %s",
+                                 failures_in_a_row, len(failed), ", ".join(failed), exc_info=exc.__cause__)
+                    error = EngineStepError(f"internal error in the model step: {exc.__cause__!r}")
+                    self._post(self._fail_requests, failed, error)
+                    self._post(self._on_state, *core.current_state())
+                    if failures_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise RuntimeError(f"{failures_in_a_row} model steps in a row failed") from exc.__cause__
+                    continue
+                failures_in_a_row = 0
+                self._post(self._on_step, outputs, core.last_step)
+        except Exception as exc:  # the scheduler's state can no longer be trusted: stop, and say so
+            logger.critical("engine loop died: %r", exc, exc_info=exc)
+            self.dead_error = exc
+            with contextlib.suppress(Exception):
                 core.abort_requests(list(core.scheduler.requests))
-                self._post(self._fail_all, exc)
-                continue
-            self._post(self._on_step, outputs, core.last_step)
+            self._post(self._on_death, exc)
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -129,32 +157,49 @@ class AsyncLLM:
         for listener in self.state_listeners:
             listener(running, waiting, kv_usage)
 
-    def _fail_request(self, child_id: str, exc: BaseException) -> None:
-        for request_id, queue in self._queues.items():
-            if child_id == request_id or child_id.startswith(request_id + "#"):
+    def _fail_requests(self, child_ids: list[str], exc: BaseException) -> None:
+        """Hand `exc` to the streams owning these engine requests (a parent fails with any of its children)."""
+        for request_id in {self._parents.get(child_id) for child_id in child_ids}:
+            queue = self._queues.get(request_id) if request_id is not None else None
+            if queue is not None:
                 queue.put_nowait(exc)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every open request stream with `exc` (closing a stream aborts its engine requests)."""
         for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(f"engine step failed: {exc!r}"))
+            queue.put_nowait(exc)
+
+    def _on_death(self, exc: BaseException) -> None:
+        self.fail_all(EngineDeadError(f"the engine stopped after an internal error: {exc!r}"))
+        for listener in self.fatal_listeners:
+            listener(exc)
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._queues)
 
     def num_waiting(self) -> int:
         return self.engine.core.scheduler.num_waiting + sum(1 for kind, _ in list(self._commands) if kind == "add")
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._queues
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None) -> RequestStream:
+                    arrival_time: float | None = None, strict_max_tokens: bool = False) -> RequestStream:
         """Validate and submit at once (raising QueueFullError / ValueError / EngineDeadError); the returned
         stream yields the outputs, and closing it before the end aborts the request."""
-        if not self.is_running:
+        if not self.is_running or self.dead_error is not None:
             raise EngineDeadError("the engine is not running")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.num_waiting() >= self.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
         text, token_ids, children = self.engine.make_requests(
-            request_id, prompt, params, time.monotonic() if arrival_time is None else arrival_time, priority)
+            request_id, prompt, params, time.monotonic() if arrival_time is None else arrival_time, priority,
+            strict_max_tokens)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
+        self._parents.update((child.request_id, request_id) for child in children)
         self.engine.output_processor.add(request_id, text, token_ids, children)
         self._send("add", children)
         return RequestStream(self, request_id, children, queue)
@@ -170,6 +215,8 @@ class AsyncLLM:
 
     def _release(self, request_id: str, children: list[Request], finished: bool) -> None:
         self._queues.pop(request_id, None)
+        for child in children:
+            self._parents.pop(child.request_id, None)
         if not finished:
             self.abort(request_id, children)
 

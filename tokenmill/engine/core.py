@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.outputs import SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from tokenmill.executor.model_runner import Executor
 from tokenmill.request import Request, RequestStatus
@@ -20,6 +21,14 @@ class StepRecord:
     step: int
     seconds: float
     stats: SchedulerStats
+
+
+class ModelStepError(RuntimeError):
+    """The executor raised on a plan: the requests in that plan cannot go on, the engine can (`fail_step`)."""
+
+    def __init__(self, plan: SchedulerOutput) -> None:
+        super().__init__(f"model step failed on {len(plan.scheduled)} requests")
+        self.plan = plan
 
 
 class EngineCore:
@@ -48,14 +57,25 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        output = self.executor.execute(plan)
+        try:
+            output = self.executor.execute(plan)
+        except Exception as exc:
+            raise ModelStepError(plan) from exc
         outputs = self.scheduler.update(plan, output)
         self.num_steps += 1
         stats = self.scheduler.last_stats
+        stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         # queue and memory state as the step leaves it (finished requests are gone)
         stats.num_running, stats.num_waiting, stats.kv_usage = self.current_state()
         self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats)
         return outputs
+
+    def fail_step(self, plan: SchedulerOutput) -> list[str]:
+        """Abort the requests of a plan whose step raised; returns their ids. The step may have written part of
+        their new KV, so the blocks it wrote leave the prefix cache before they are freed."""
+        for scheduled in plan.scheduled:
+            self.kv.forget_cached_blocks(scheduled.request_id, scheduled.start_position)
+        return self.abort_requests([s.request_id for s in plan.scheduled])
 
     def current_state(self) -> tuple[int, int, float]:
         """(running, waiting, KV usage) right now."""

@@ -69,11 +69,13 @@ class LLMEngine:
 
     def make_requests(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
-        priority: int = 0,
+        priority: int = 0, strict_max_tokens: bool = False,
     ) -> tuple[str | None, list[int], list[Request]]:
         """Tokenize and validate; one engine request per sample (n > 1 fans out with seeds seed, seed+1, ...).
 
-        Raises ValueError for anything that could never run, before any engine state changes.
+        Raises ValueError for anything that could never run, before any engine state changes. With
+        `strict_max_tokens` (the server's rule, as vLLM's), prompt + max_tokens beyond the context is an error;
+        otherwise (offline, as vLLM's LLM) generation stops at the context limit.
         """
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
@@ -81,6 +83,16 @@ class LLMEngine:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        out_of_vocab = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if out_of_vocab:
+            raise ValueError(f"logit_bias token ids out of range [0, {self.vocab_size}): {out_of_vocab[:5]}")
+        wanted = len(token_ids) + (params.max_tokens or 0)
+        if strict_max_tokens and params.max_tokens is not None and wanted > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({len(token_ids)} in the prompt, {params.max_tokens} in the completion). "
+                f"Please reduce the length of the prompt or completion."
+            )
         arrival = self.clock() if arrival_time is None else arrival_time
         if params.n == 1:
             children = [Request(request_id, token_ids, params, self.eos_token_ids, arrival, priority, text)]

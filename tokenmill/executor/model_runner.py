@@ -74,6 +74,7 @@ class ModelRunner:
         ]
         for layer, cache in zip(self.model.decoder_layers, self.kv_caches):
             layer.self_attn.kv_cache = cache
+        self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.dtype) * self.num_kv_blocks
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = random.Random(config.seed)  # seeds for requests that bring none

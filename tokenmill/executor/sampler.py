@@ -1,6 +1,6 @@
 """Batched sampling with per-request parameters.
 
-Order of operations (as in transformers' generate): penalties, temperature, top-k, top-p, min-p, then a
+Order of operations (as in vLLM): logit bias, penalties, temperature, top-k, top-p, min-p, then a
 draw. Greedy rows (temperature 0) take the argmax after penalties. Random rows draw with the exponential race
 (argmax of p / E with E ~ Exp(1)), the noise coming from a generator owned by the request, so a request's
 tokens depend on its seed only, never on what else is in the batch. Logprobs are those of the model's raw
@@ -51,6 +51,15 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(row.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i, ids] += bias
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) what top-k / top-p / min-p exclude; rows are [N, V], parameters [N] (k=0: off)."""
     vocab = logits.shape[-1]
@@ -77,6 +86,8 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = logits.log_softmax(dim=-1)
+        if any(r.params.logit_bias for r in rows):
+            logits = apply_logit_bias(logits.clone(), rows)
         if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
                for r in rows):
             logits = apply_penalties(logits.clone(), rows)

@@ -10,8 +10,10 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,16 +24,36 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, QueueFullError, RequestStream
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.stats_logger import DEFAULT_INTERVAL_S, LoggingStatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import in_passing_thread
+from tokenmill.server.lifecycle import GracefulServer, ShuttingDownError
 from tokenmill.server.metrics import EngineMetrics
+from tokenmill.server.middleware import RequestGate, ServerState
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder
 
 logger = logging.getLogger("tokenmill.server")
 T = TypeVar("T")
+
+
+@dataclass
+class ServerOptions:
+    """The HTTP side's knobs (`tokenmill serve` flags, vLLM's names)."""
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_request_body_bytes: int = 10 * 1024 * 1024
+    request_timeout: float | None = None  # seconds from arrival to the last token; None: no limit
+    shutdown_timeout: float = 30.0  # drain on SIGTERM for up to this long
+    enable_log_requests: bool = False
+    disable_log_stats: bool = False
+    # seconds between stats lines; like vLLM's VLLM_LOG_STATS_INTERVAL, an environment variable
+    log_stats_interval: float = field(
+        default_factory=lambda: float(os.environ.get("TOKENMILL_LOG_STATS_INTERVAL", DEFAULT_INTERVAL_S)))
+    disable_access_log: bool = False
 
 
 class APIError(Exception):
@@ -40,6 +62,19 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.err_type, self.param = status, message, err_type, param
         self.headers = headers or {}
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """The HTTP error a failed request's stream raised maps to."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), "internal_server_error")
+    if isinstance(exc, (EngineDeadError, ShuttingDownError)):
+        return APIError(503, str(exc), "service_unavailable")
+    if isinstance(exc, asyncio.TimeoutError):
+        return APIError(408, "the request timed out before it finished (--request-timeout)", "timeout_error")
+    raise exc
 
 
 def error_response(status: int, message: str, err_type: str = "invalid_request_error", param: str | None = None,
@@ -57,7 +92,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = ".".join(loc) or None
-    message = first.get("msg", "invalid value")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
     return (f"{param}: {message}" if param else message), param
 
 
@@ -93,22 +128,39 @@ def default_model_name(config: EngineConfig) -> str:
     return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name
 
 
-def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    model_name = served_model_name or default_model_name(engine.config)
+def build_app(engine: LLMEngine, options: ServerOptions | None = None, state: ServerState | None = None) -> FastAPI:
+    options = options or ServerOptions()
+    state = state or ServerState()
+    api_key = options.api_key
+    model_name = options.served_model_name or default_model_name(engine.config)
     llm = AsyncLLM(engine)
     metrics = EngineMetrics(model_name)
     llm.step_listeners.append(metrics.on_step)
     llm.state_listeners.append(metrics.set_idle)
+    stat_logger = LoggingStatLogger()
+    if not options.disable_log_stats:
+        llm.step_listeners.append(stat_logger.on_step)
+        llm.state_listeners.append(stat_logger.on_state)
+
+    async def log_stats_forever() -> None:
+        while True:
+            await asyncio.sleep(options.log_stats_interval)
+            stat_logger.log()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await llm.start()
+        stats_task = None if options.disable_log_stats else asyncio.ensure_future(log_stats_forever())
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         await llm.shutdown()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.state.llm = llm
     app.state.metrics = metrics
+    app.state.server_state = state
+    app.add_middleware(RequestGate, state=state, max_body_bytes=options.max_request_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -137,8 +189,11 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
 
     @app.get("/health")
     async def health() -> Response:
-        if not llm.is_running:
+        if not llm.is_running or llm.dead_error is not None:
             return error_response(503, "the engine is not running", "service_unavailable")
+        if state.draining:
+            return error_response(503, "the server is shutting down", "service_unavailable",
+                                  headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -154,7 +209,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
 
     def submit(request_id: str, prompt: Any, params: Any, priority: int) -> RequestStream:
         try:
-            return llm.add_request(request_id, prompt, params, priority)
+            return llm.add_request(request_id, prompt, params, priority, strict_max_tokens=True)
         except QueueFullError as exc:
             raise APIError(429, str(exc), "rate_limit_exceeded", headers={"Retry-After": "1"}) from exc
         except EngineDeadError as exc:
@@ -162,18 +217,37 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
+    def on_finished(request_id: str, output: RequestOutput) -> None:
+        metrics.on_finished(output)
+        if options.enable_log_requests:
+            reasons = ",".join(str(c.finish_reason) for c in output.outputs)
+            generated = sum(len(c.token_ids) for c in output.outputs)
+            logger.info("finished request %s: %s, %d prompt + %d generated tokens", request_id, reasons,
+                        len(output.prompt_token_ids), generated)
+
     async def serve(builder: ResponseBuilder, prompts: list[Any], params: Any, priority: int, stream: bool,
                     include_usage: bool, http_request: Request) -> Response:
-        # Submit every prompt before awaiting any, closing them all if one is rejected.
+        # Submit every prompt before awaiting any, closing them all if one is rejected. Engine request ids
+        # derive from the response id (so from X-Request-Id), made unique if a client reuses one.
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(submit(f"{builder.response_id}-{i}", prompt, params, priority))
-        except APIError:
+                request_id = f"{builder.response_id}-{i}"
+                if llm.has_request(request_id):
+                    request_id += "-" + uuid.uuid4().hex[:8]
+                streams.append(submit(request_id, prompt, params, priority))
+        except APIError as exc:
             for s in streams:
                 s.close()
+            if exc.status >= 500 or options.enable_log_requests:
+                logger.info("rejected request %s: %d %s", builder.response_id, exc.status, exc.message)
             raise
-        merged = _merge(streams, metrics)
+        if options.enable_log_requests:
+            for s in streams:
+                logger.info("received request %s: %d prompt tokens, %s", s.request_id,
+                            len(s.children[0].prompt_token_ids), params)
+        deadline = None if options.request_timeout is None else time.monotonic() + options.request_timeout
+        merged = _merge(streams, on_finished, deadline)
         if stream:
             return StreamingResponse(_sse(builder, merged, include_usage), media_type="text/event-stream")
 
@@ -187,8 +261,10 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
         except ClientDisconnected:
             await merged.aclose()  # type: ignore[attr-defined]
             return Response(status_code=499)
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), "service_unavailable") from exc
+        except Exception as exc:
+            err = as_api_error(exc)
+            logger.warning("request %s failed: %d %s", builder.response_id, err.status, err.message)
+            raise err from exc
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
@@ -196,7 +272,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
         params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]
         builder = ResponseBuilder("completion", model_name, engine.tokenizer, len(prompts), params.n,
-                                  logprobs=body.logprobs)
+                                  logprobs=body.logprobs, request_id=http_request.state.request_id)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await serve(builder, prompts, params, body.priority, body.stream, include_usage, http_request)
 
@@ -211,7 +287,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
         except Exception as exc:  # a template that rejects the conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
         builder = ResponseBuilder("chat", model_name, engine.tokenizer, 1, params.n,
-                                  logprobs=top if body.logprobs else None)
+                                  logprobs=top if body.logprobs else None, request_id=http_request.state.request_id)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,
                            include_usage, http_request)
@@ -226,16 +302,18 @@ def _params(make: Callable[[], Any]) -> Any:
         raise APIError(400, str(exc)) from exc
 
 
-async def _merge(streams: list[RequestStream], metrics: EngineMetrics) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[RequestStream], on_finished: Callable[[str, RequestOutput], None],
+                 deadline: float | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several prompts' output streams, tagging each output with its prompt index. Closing the
-    merged iterator (or cancelling its consumer) aborts every unfinished request."""
+    merged iterator (or cancelling its consumer) aborts every unfinished request; past `deadline`
+    (time.monotonic) it raises asyncio.TimeoutError."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
                 if output.finished:
-                    metrics.on_finished(output)
+                    on_finished(stream.request_id, output)
                 await queue.put((index, output))
             await queue.put((index, None))
         except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
@@ -247,7 +325,10 @@ async def _merge(streams: list[RequestStream], metrics: EngineMetrics) -> AsyncI
     remaining = len(tasks)
     try:
         while remaining:
-            index, item = await queue.get()
+            if deadline is None:
+                index, item = await queue.get()
+            else:
+                index, item = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
@@ -271,29 +352,40 @@ async def _sse(builder: ResponseBuilder, merged: AsyncIterator[tuple[int, Reques
                 yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
             yield f"data: {json.dumps(builder.usage_chunk())}\n\n"
-        yield "data: [DONE]\n\n"
-    except (APIError, EngineDeadError) as exc:
-        err = exc if isinstance(exc, APIError) else APIError(503, str(exc), "service_unavailable")
+    except Exception as exc:  # the stream has started: the error goes in an event, then [DONE] as usual
+        err = as_api_error(exc)
+        logger.warning("request %s failed mid-stream: %d %s", builder.response_id, err.status, err.message)
         body = {"error": {"message": err.message, "type": err.err_type, "param": err.param, "code": err.status}}
         yield f"data: {json.dumps(body)}\n\n"
     finally:
         await merged.aclose()  # type: ignore[attr-defined]
+    yield "data: [DONE]\n\n"
 
 
-def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               served_model_name: str | None = None, log_level: str = "info") -> None:
+def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+               options: ServerOptions | None = None, log_level: str = "info") -> int:
+    """Serve until SIGTERM (drain, then exit status 0) or until the engine dies (exit status 1)."""
     import uvicorn
 
+    options = options or ServerOptions()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The engine steps in its own thread: load the model in a passing thread, so that the engine thread's
     # OpenMP team is the only one alive while serving (see platform.in_passing_thread).
     engine = in_passing_thread(lambda: LLMEngine.from_config(config))
-    app = build_app(engine, served_model_name, api_key)
-    logger.info("serving %s on http://%s:%d (KV blocks: %d x %d tokens)", served_model_name or
-                default_model_name(config), host, port, engine.core.kv.num_blocks, config.block_size)
-    # uvicorn drains requests on SIGTERM, stops the engine (lifespan), then re-raises the signal to the handler
-    # that was installed before it: make that one a clean exit.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                access_log=os.environ.get("TOKENMILL_ACCESS_LOG") == "1")
-
+    state = ServerState()
+    app = build_app(engine, options, state)
+    kv = engine.core.kv
+    kv_mb = getattr(engine.core.executor, "kv_cache_bytes", 0) / 2**20
+    logger.info("serving %s on http://%s:%d: KV cache %d blocks x %d tokens = %d tokens (%.0f MiB), "
+                "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d",
+                options.served_model_name or default_model_name(config), host, port, kv.num_blocks,
+                kv.block_size, kv.num_blocks * kv.block_size, kv_mb, engine.max_model_len, config.max_num_seqs,
+                config.max_num_batched_tokens)
+    # A second SIGTERM during the drain makes uvicorn stop at once and re-raise it afterwards: exit cleanly.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(state.exit_code))
+    server = GracefulServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                       access_log=not options.disable_access_log),
+        state, app.state.llm, options.shutdown_timeout)
+    server.run()
+    return state.exit_code

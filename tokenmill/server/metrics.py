@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from tokenmill.engine.core import StepRecord
 from tokenmill.outputs import RequestOutput
@@ -28,6 +28,7 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes & co., as in vLLM's default registry
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Inter-token latency", labels,

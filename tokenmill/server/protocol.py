@@ -36,6 +36,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -44,6 +45,17 @@ class _SamplingFields(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # JSON object keys are strings: each must spell a token id (OpenAI rejects anything else too).
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return value
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -64,6 +76,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
 
 

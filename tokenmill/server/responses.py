@@ -23,13 +23,14 @@ class ChoiceState:
 
 class ResponseBuilder:
     def __init__(self, kind: Literal["completion", "chat"], model: str, tokenizer: Tokenizer, num_prompts: int,
-                 n: int, logprobs: int | None) -> None:
+                 n: int, logprobs: int | None, request_id: str | None = None) -> None:
         self.kind = kind
         self.model = model
         self.tokenizer = tokenizer
         self.n = n
         self.top_logprobs = logprobs
-        self.response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        # vLLM's rule: the id is the client's X-Request-Id when it sends one
+        self.response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
         self.choices = [ChoiceState() for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts

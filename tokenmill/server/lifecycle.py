@@ -1,0 +1,74 @@
+"""Process lifecycle under a supervisor: graceful drain on SIGTERM, non-zero exit when the engine dies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.server.middleware import ServerState
+
+logger = logging.getLogger("tokenmill.server")
+
+
+class ShuttingDownError(RuntimeError):
+    """The server stopped before this request finished (HTTP 503)."""
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM drains: the gate answers 503 to new API requests (and /health to load
+    balancers), in-flight requests run to their end for up to `shutdown_timeout` seconds, what is left is then
+    failed with a clear error, and the process exits 0. A second signal falls back to uvicorn's quick exit.
+    uvicorn alone would close the listening socket at once, so clients would see refused connections."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, llm: AsyncLLM, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.llm = llm
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        self._loop = asyncio.get_running_loop()
+        self.llm.fatal_listeners.append(self._on_engine_death)
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.state.draining and not self.should_exit and self._loop is not None:
+            self.state.draining = True
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        logger.info("SIGTERM: draining %d in-flight requests (up to %.0f s)", self.state.in_flight,
+                    self.shutdown_timeout)
+        deadline = loop.time() + self.shutdown_timeout
+        while self.state.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.llm.num_open_requests:
+            logger.warning("shutdown timeout: aborting %d unfinished requests", self.llm.num_open_requests)
+            self.llm.fail_all(ShuttingDownError("the server shut down before the request finished"))
+        # Let the handlers write their last bytes (bounded: a stalled client must not hold the exit).
+        flush_deadline = loop.time() + 5.0
+        while self.state.in_flight and loop.time() < flush_deadline:
+            await asyncio.sleep(0.05)
+        logger.info("drained; exiting")
+        self.should_exit = True
+
+    def _on_engine_death(self, exc: BaseException) -> None:
+        logger.critical("the engine died (%r): exiting with status 1 so that a supervisor restarts the server", exc)
+        self.state.exit_code = 1
+        self.state.draining = True
+        # Give the failed requests a moment to receive their error bodies, then stop.
+        if self._loop is not None:
+            self._loop.call_later(1.0, setattr, self, "should_exit", True)
