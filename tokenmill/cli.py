@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from tokenmill.bench import serve_cli, sweep
+    from tokenmill.bench import serve_cli, soak, sweep
 
     bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
     serve_cli.add_args(bench_serve)
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_sweep = bench_sub.add_parser("sweep", help="run the serving experiments, write docs/BENCHMARKS.md")
     sweep.add_args(bench_sweep)
     bench_sweep.set_defaults(func=sweep.main)
+    bench_soak = bench_sub.add_parser("soak", help="drive a server with thousands of mixed requests, check it holds")
+    soak.add_args(bench_soak)
+    bench_soak.set_defaults(func=soak.main)
 
     args = parser.parse_args(argv)
     return int(args.func(args))
