@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from tokenmill.bench.loadgen import _bar, arrival_times
+from tokenmill.bench.report import machine_description, write_section
 from tokenmill.bench.server_process import live_server
 from tokenmill.bench.workloads import _CORPUS, WorkItem
 from tokenmill.server.metrics import metric_value
@@ -480,6 +481,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--idle-timeout", type=float, default=30.0)
     parser.add_argument("--output", default=None, help="write the JSON report here")
+    parser.add_argument("--write-docs", action="store_true", help="write the soak section of docs/BENCHMARKS.md")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -499,6 +501,13 @@ def main(args: argparse.Namespace) -> int:
         with live_server(*shlex.split(args.server_args), quiet=False) as server:
             report = soak(server.url)
     print(format_report(report))
+    if args.write_docs:
+        write_section("soak", "\n".join([
+            "## Soak (`tokenmill bench soak`)", "",
+            f"Machine: {machine_description()}. `tokenmill bench soak --num-requests {args.num_requests} "
+            f"--request-rate {args.request_rate:g}` against a fresh `tokenmill serve` (defaults), client on the "
+            f"same 2 cores; it ran {report.duration_s / 60:.0f} minutes.", "",
+            "```", format_report(report), "```"]))
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"}, **report.to_json()}, f,
