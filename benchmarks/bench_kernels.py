@@ -55,7 +55,7 @@ def time_int8_gemm(batch: int, packed: bool) -> float:
         for layer in layers:
             q = qs[layer.in_features]
             if packed:
-                kernels.int8_gemm_packed(q, layer.packed, layer.weight_sum128, layer.out_features)  # type: ignore[arg-type]
+                kernels.int8_gemm_packed(q, layer.packed, layer.out_features)  # type: ignore[arg-type]
             else:
                 torch._int_mm(q, layer.qweight.t())  # type: ignore[operator]
 

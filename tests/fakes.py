@@ -36,15 +36,49 @@ class FakeExecutor:
         self.plans.append(plan)
         if self.clock is not None:
             self.clock.now += self.step_seconds
-        tokens = {}
+        out = ModelRunnerOutput({})
         for s in plan.scheduled:
-            if s.sample and not s.padding:
-                position = s.start_position + s.num_tokens
-                if self.eos_at.get(s.request_id) == len(s.output_token_ids):
-                    tokens[s.request_id] = EOS
-                else:
-                    tokens[s.request_id] = 10 + (zlib.crc32(s.request_id.encode()) + position) % 1000
-        return ModelRunnerOutput(tokens)
+            if not s.sample or s.padding:
+                continue
+            # verify proposals as a model would: accept while they equal the true tokens, then one true token
+            first = s.start_position + s.num_tokens - s.num_spec_tokens  # position of the first new token
+            proposed = s.token_ids[len(s.token_ids) - s.num_spec_tokens:]
+            emitted = []
+            for j in range(s.num_spec_tokens + 1):
+                true = self.token(s.request_id, first + j, len(s.output_token_ids) + j)
+                emitted.append(true)
+                if j == s.num_spec_tokens or proposed[j] != true:
+                    break
+            out.sampled_token_ids[s.request_id] = emitted[-1]
+            if len(emitted) > 1:
+                out.accepted_token_ids[s.request_id] = emitted[:-1]
+        return out
+
+    def token(self, request_id: str, position: int, output_index: int) -> int:
+        """The fake model's token at `position` (the `output_index`-th output token)."""
+        if self.eos_at.get(request_id) == output_index:
+            return EOS
+        return 10 + (zlib.crc32(request_id.encode()) + position) % 1000
+
+
+class OracleProposer:
+    """Proposes k tokens of which a pseudo-random number (0..k) are right: exercises acceptance, rejection and
+    rollback in the scheduler without a model."""
+
+    def __init__(self, k: int, executor: FakeExecutor) -> None:
+        self.k = k
+        self.executor = executor
+
+    def propose(self, running: list[Request]) -> None:
+        for r in running:
+            r.spec_token_ids = []
+            if r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            k = min(self.k, r.max_total_tokens - r.num_tokens - 1)
+            right = zlib.crc32(f"{r.request_id}:{r.num_tokens}".encode()) % (self.k + 1)
+            for j in range(max(0, k)):
+                true = self.executor.token(r.request_id, r.num_tokens + j, r.num_output_tokens + j)
+                r.spec_token_ids.append(true if j < right else true + 1)
 
 
 def make_core(num_blocks: int = 64, clock: FakeClock | None = None, max_model_len: int = 4096,
@@ -93,3 +127,8 @@ def check_step(core: EngineCore) -> None:
             needed = -(-(s.start_position + s.num_tokens) // config.block_size)
             assert len(s.block_table) >= needed
     assert len(scheduler.running) <= config.max_num_seqs
+    for request in scheduler.running:  # only known (accepted) tokens are ever hashed into the prefix cache
+        for i, block in enumerate(core.kv.req_blocks.get(request.request_id, [])):
+            if block.block_hash is not None:
+                bs = config.block_size
+                assert block.token_ids == tuple(request.all_token_ids[i * bs:(i + 1) * bs])

@@ -147,8 +147,8 @@ def test_vnni_int8_gemm_is_exact(rows: int, k: int, n: int) -> None:
     layer.load(torch.randn(n, k))
     q = torch.randint(-128, 128, (rows, k), dtype=torch.int8)
     expected = q.int() @ layer.qweight.int().T
-    assert layer.packed is not None and layer.weight_sum128 is not None
-    assert torch.equal(kernels.int8_gemm_packed(q, layer.packed, layer.weight_sum128, n), expected)
+    assert layer.packed is not None
+    assert torch.equal(kernels.int8_gemm_packed(q, layer.packed, n), expected)
 
 
 @pytest.mark.skipif(not kernels.int8_gemm_packed_available(), reason="this CPU has no AVX512-VNNI")
@@ -158,9 +158,9 @@ def test_fused_int8_linear_equals_its_steps() -> None:
     layer = make_linear("int8", 576, 100, bias=True)
     layer.load(torch.randn(100, 576), torch.randn(100))
     x = torch.randn(7, 576) * torch.rand(576) * 5
-    assert layer.packed is not None and layer.weight_sum128 is not None
+    assert layer.packed is not None
     q, scales = quantize_two_level(x)
     steps = dequantize_two_level(torch._int_mm(q, layer.qweight.t()), scales, layer.scale, layer.bias)
-    fused = kernels.int8_linear_packed(x, layer.packed, layer.weight_sum128, layer.scale, layer.bias, 100)
+    fused = kernels.int8_linear_packed(x, layer.packed, layer.scale, layer.bias, 100)
     assert torch.equal(fused, steps)
     assert torch.equal(layer(x), steps)  # the layer takes the fused path for few rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import FakeClock, FakeExecutor, check_step, make_core, make_request
+from tests.fakes import FakeClock, FakeExecutor, OracleProposer, check_step, make_core, make_request
 
 request_strategy = st.fixed_dictionaries({
     "prompt_len": st.integers(1, 40),
@@ -30,15 +30,18 @@ request_strategy = st.fixed_dictionaries({
     batching=st.sampled_from(["continuous", "continuous", "dynamic", "static"]),
     policy=st.sampled_from(["fcfs", "priority"]),
     caching=st.booleans(),
+    spec_k=st.sampled_from([0, 0, 1, 3, 5]),
 )
 def test_random_workloads_keep_invariants(requests, block_size, num_blocks, budget, max_num_seqs, partial,  # noqa: ANN001
-                                          batching, policy, caching) -> None:
+                                          batching, policy, caching, spec_k) -> None:
     clock = FakeClock()
     eos_at = {f"r{i}": r["eos_at"] for i, r in enumerate(requests) if r["eos_at"] is not None}
     executor = FakeExecutor(num_blocks, clock, eos_at=eos_at)
     core, _ = make_core(clock=clock, executor=executor, block_size=block_size, max_num_batched_tokens=budget,
                         max_num_seqs=max_num_seqs, max_num_partial_prefills=partial, batching=batching,
                         policy=policy, enable_prefix_caching=caching, max_model_len=64)
+    if spec_k:  # speculative decoding: proposals partly right, verified, rolled back; outputs must not change
+        core.proposer = OracleProposer(spec_k, executor)  # type: ignore[assignment]
     capacity = num_blocks * block_size
     prefix = list(range(500, 520))
     outputs: dict[str, list[int]] = {}
@@ -74,6 +77,7 @@ def test_random_workloads_keep_invariants(requests, block_size, num_blocks, budg
             break
     event(f"preempted: {core.scheduler.total_preemptions > 0}")
     event(f"prefix hits: {core.kv.prefix_hits > 0}")
+    event(f"speculated: {any(s.num_spec_tokens for p in executor.plans for s in p.scheduled)}")
     assert not core.has_unfinished_requests(), "requests did not finish"
     assert core.kv.num_free_blocks == core.kv.num_blocks
     assert not core.kv.req_blocks

@@ -32,6 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batching", default=defaults.batching, choices=["continuous", "dynamic", "static"])
     g.add_argument("--seed", type=int, default=defaults.seed)
     g.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests)
+    g.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'')
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -43,7 +45,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
         priority_aging_per_s=args.priority_aging_per_s, batching=args.batching, seed=args.seed,
-        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_requests=args.max_waiting_requests, speculative_config=args.speculative_config,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 BatchingMode = Literal["continuous", "dynamic", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -59,6 +59,9 @@ class EngineConfig:
     batching: BatchingMode = "continuous"
     seed: int = 0
     max_waiting_requests: int = 1024
+    # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    # (a dict, a JSON string or a tokenmill.spec_decode.SpeculativeConfig); None: no speculation
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -82,3 +85,6 @@ class EngineConfig:
             raise ValueError(f"quantization must be auto, none, int8 or bf16, got {self.quantization!r}")
         if self.priority_aging_per_s < 0:
             raise ValueError("priority_aging_per_s must be >= 0")
+        from tokenmill.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

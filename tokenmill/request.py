@@ -67,6 +67,12 @@ class Request:
         self.times = RequestTimes(arrival=time.monotonic() if arrival_time is None else arrival_time)
         self.logprobs: list[dict[int, float]] = []  # per output token: token id -> logprob (chosen + top-N)
         self.block_hashes: list[int] = []  # chained hashes of its full blocks (prefix caching)
+        # Speculative decoding: tokens proposed for the next step (never part of all_token_ids until accepted),
+        # and the request's recent acceptance, which pauses its proposals when they stop paying.
+        self.spec_token_ids: list[int] = []
+        self.spec_acceptance = 1.0
+        self.spec_pause_steps = 0
+        self.spec_pause_length = 0
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,8 @@ class ScheduledRequest:
     output_token_ids: list[int]  # generated so far (penalties read it)
     padding: bool = False  # static batching: a finished row that still costs compute; never sampled
     banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids masked before min_tokens
+    # Speculative decoding: token_ids ends with this many proposed tokens, to verify (sample is then True).
+    num_spec_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -48,3 +50,6 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     # per sampled request: token id -> logprob for the chosen token and its top-N alternatives
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # speculative decoding: the proposed tokens accepted before the sampled one (and their logprobs)
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)

@@ -48,6 +48,11 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # speculative decoding, this step (set after the step): proposals verified, their tokens, accepted ones
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -65,6 +70,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_plan: list[str] = []
         self.total_preemptions = 0
+        self.total_spec_drafts = 0
+        self.total_spec_draft_tokens = 0
+        self.total_spec_accepted_tokens = 0
         self.last_stats = SchedulerStats()
 
     # ------------------------------------------------------------------ requests in and out
@@ -154,9 +162,13 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
             if num_new <= 0:
                 continue
+            if request.spec_token_ids and self.kv.allocate_slots(request, num_new) is None:
+                # proposals are a bet: never preempt anyone to make room for them
+                request.spec_token_ids = []
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim(request)
                 if victim.request_id in num_scheduled:
@@ -249,6 +261,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.total_preemptions += 1
         self.waiting.push_front(request)
@@ -262,16 +275,19 @@ class Scheduler:
             if not num_new:
                 continue
             start = request.num_computed_tokens
+            # proposed tokens ride after the known ones, as far as the budget let them
+            num_spec = max(0, start + num_new - request.num_tokens)
             scheduled.append(ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.all_token_ids[start:start + num_new],
+                token_ids=request.all_token_ids[start:start + num_new] + request.spec_token_ids[:num_spec],
                 start_position=start,
                 block_table=self.kv.block_table(request.request_id),
-                sample=start + num_new == request.num_tokens,
+                sample=start + num_new >= request.num_tokens,
                 sampling_params=request.sampling_params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 banned_token_ids=self._banned_tokens(request),
+                num_spec_tokens=num_spec,
             ))
             if start >= request.num_prompt_tokens:
                 decode_tokens += num_new
@@ -317,32 +333,60 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         now = self.clock()
         outputs = []
+        stats = self.last_stats
         for scheduled in plan.scheduled:
             if not scheduled.sample or scheduled.padding:
                 continue
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            token = output.sampled_token_ids[scheduled.request_id]
-            request.append_output_token(token)
+            accepted = output.accepted_token_ids.get(scheduled.request_id, [])
+            tokens = accepted + [output.sampled_token_ids[scheduled.request_id]]
+            logprob_list = output.accepted_logprobs.get(scheduled.request_id, [])
+            last_logprobs = output.logprobs.get(scheduled.request_id)
+            if last_logprobs is not None:
+                logprob_list = logprob_list + [last_logprobs]
+            if scheduled.num_spec_tokens:
+                # the KV of rejected proposals is stale: those positions get computed again
+                request.num_computed_tokens -= scheduled.num_spec_tokens - len(accepted)
+                self._record_acceptance(request, scheduled.num_spec_tokens, len(accepted), stats)
+            request.spec_token_ids = []
             request.resumed_without_progress = False
-            logprobs = output.logprobs.get(scheduled.request_id)
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
             times = request.times
             if times.first_token is None:
                 times.first_token = now
             times.last_token = now
-            times.token_times.append(now)
-            status = self._check_stop(request, token)
-            out = EngineCoreOutput(request.request_id, [token], [logprobs] if logprobs is not None else [])
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-                out.finish_reason = status.finish_reason
-                out.stop_reason = request.stop_reason
+            out = EngineCoreOutput(request.request_id, [])
+            for i, token in enumerate(tokens):  # stop at the first token that ends the request
+                request.append_output_token(token)
+                if i < len(logprob_list):
+                    request.logprobs.append(logprob_list[i])
+                    out.new_logprobs.append(logprob_list[i])
+                times.token_times.append(now)
+                out.new_token_ids.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    out.finish_reason = status.finish_reason
+                    out.stop_reason = request.stop_reason
+                    break
             outputs.append(out)
         return outputs
+
+    def _record_acceptance(self, request: Request, num_proposed: int, num_accepted: int,
+                           stats: SchedulerStats) -> None:
+        self.total_spec_drafts += 1
+        self.total_spec_draft_tokens += num_proposed
+        self.total_spec_accepted_tokens += num_accepted
+        stats.spec_num_drafts += 1
+        stats.spec_num_draft_tokens += num_proposed
+        stats.spec_num_accepted_tokens += num_accepted
+        if len(stats.spec_accepted_per_pos) < num_proposed:
+            stats.spec_accepted_per_pos.extend([0] * (num_proposed - len(stats.spec_accepted_per_pos)))
+        for pos in range(num_accepted):
+            stats.spec_accepted_per_pos[pos] += 1
+        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * num_accepted / num_proposed
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -12,6 +12,8 @@ from tokenmill.core.outputs import SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from tokenmill.executor.model_runner import Executor
 from tokenmill.request import Request, RequestStatus
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.proposer import NgramProposer
 
 
 @dataclass
@@ -39,6 +41,8 @@ class EngineCore:
         self.clock = clock
         self.kv = KVCacheManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len, clock)
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = NgramProposer(spec) if spec is not None else None
         self.num_steps = 0
         self.last_step: StepRecord | None = None
 
@@ -65,6 +69,8 @@ class EngineCore:
         self.num_steps += 1
         stats = self.scheduler.last_stats
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         # queue and memory state as the step leaves it (finished requests are gone)
         stats.num_running, stats.num_waiting, stats.kv_usage = self.current_state()
         self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats)

@@ -106,18 +106,23 @@ class OutputProcessor:
 
     def _advance(self, child: _Completion, out: EngineCoreOutput) -> None:
         params = child.request.sampling_params
-        child.token_ids.extend(out.new_token_ids)
-        if child.logprobs is not None:
-            for token, entry in zip(out.new_token_ids, out.new_logprobs):
+        # One token at a time when several arrive together (speculative decoding): none past a stop string.
+        for i, token in enumerate(out.new_token_ids):
+            child.token_ids.append(token)
+            if child.logprobs is not None and i < len(out.new_logprobs):
+                entry = out.new_logprobs[i]
                 child.logprobs.append(entry)
                 child.cumulative_logprob = (child.cumulative_logprob or 0.0) + entry[token]
-        delta = child.detokenizer.add_tokens(out.new_token_ids)
-        if out.finish_reason is not None:
-            delta += child.detokenizer.finish()
-        previous_len = len(child.text)
-        child.text += delta
-        if params.stop and len(child.token_ids) >= params.min_tokens:
-            self._check_stop_strings(child, previous_len)
+            delta = child.detokenizer.add_tokens([token])
+            last = i == len(out.new_token_ids) - 1
+            if last and out.finish_reason is not None:
+                delta += child.detokenizer.finish()
+            previous_len = len(child.text)
+            child.text += delta
+            if params.stop and len(child.token_ids) >= params.min_tokens:
+                self._check_stop_strings(child, previous_len)
+                if child.finished:  # the tokens after it are dropped
+                    return
         if out.finish_reason is not None and not child.finished:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
 

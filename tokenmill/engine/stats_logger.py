@@ -26,12 +26,15 @@ class LoggingStatLogger:
         self._running = self._waiting = 0
         self._kv_usage = 0.0
         self._was_busy = False
+        self._draft_tokens = self._accepted_tokens = 0
 
     def on_step(self, record: StepRecord) -> None:
         s = record.stats
         self._prompt_tokens += s.num_prefill_tokens
         self._generation_tokens += s.num_generated_tokens
         self._preemptions += s.num_preemptions
+        self._draft_tokens += s.spec_num_draft_tokens
+        self._accepted_tokens += s.spec_num_accepted_tokens
         self._queries += s.prefix_queries - self._last_queries
         self._hits += s.prefix_hits - self._last_hits
         self._last_queries, self._last_hits = s.prefix_queries, s.prefix_hits
@@ -53,8 +56,12 @@ class LoggingStatLogger:
                     f"Running: {self._running} reqs, Waiting: {self._waiting} reqs, "
                     f"KV cache usage: {100.0 * self._kv_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, "
                     f"Preemptions: {self._preemptions}")
+            if self._draft_tokens:
+                line += (f", Speculative acceptance: {100.0 * self._accepted_tokens / self._draft_tokens:.1f}% "
+                         f"of {self._draft_tokens} proposed tokens")
             logger.info(line)
         self._was_busy = busy
         self._since = now
         self._prompt_tokens = self._generation_tokens = self._preemptions = self._queries = self._hits = 0
+        self._draft_tokens = self._accepted_tokens = 0
         return line

@@ -13,11 +13,12 @@ import torch
 from tokenmill import kernels
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenmill.executor.sampler import Sampler, SamplingRow
+from tokenmill.executor.sampler import Sampler, SamplingRow, logprob_entry, random_probs
 from tokenmill.model.attention import AttentionMetadata, allocate_kv_cache
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.quant import resolve_quantization
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.rejection import verify_greedy, verify_random
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +115,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, plan: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
-        """Run the flat batch; logits [N, vocab] of the requests that sample this step (in plan order)."""
+        """Run the flat batch; logits of the requests that sample this step (in plan order): one row each, or
+        1 + k rows for a request verifying k proposed tokens (its last 1 + k positions)."""
         hidden, last_rows = self._forward(plan.scheduled)
-        sample_index = [i for i, s in enumerate(plan.scheduled) if s.sample and not s.padding]
-        if not sample_index:
+        sampled = [(i, s) for i, s in enumerate(plan.scheduled) if s.sample and not s.padding]
+        if not sampled:
             return [], None
-        sample_rows = torch.from_numpy(last_rows[sample_index]).to(self.device)
-        return [plan.scheduled[i] for i in sample_index], self.model.compute_logits(hidden[sample_rows])
+        if any(s.num_spec_tokens for _, s in sampled):
+            rows = np.concatenate([np.arange(last_rows[i] - s.num_spec_tokens, last_rows[i] + 1) for i, s in sampled])
+        else:
+            rows = last_rows[[i for i, _ in sampled]]
+        return [s for _, s in sampled], self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -145,14 +150,53 @@ class ModelRunner:
         sampled, logits = self.compute_logits(plan)
         if logits is None:
             return ModelRunnerOutput({})
-        rows = [
-            SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
-                        None if s.sampling_params.greedy else self._generator(s.request_id, s.sampling_params.seed),
-                        s.banned_token_ids)
-            for s in sampled
-        ]
+        if any(s.num_spec_tokens for s in sampled):
+            return self._verify(sampled, logits)
+        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._row_generator(s),
+                            s.banned_token_ids) for s in sampled]
         result = self.sampler(logits, rows)
         return ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(sampled, result.token_ids)},
             logprobs={s.request_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None},
         )
+
+    def _row_generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        return None if s.sampling_params.greedy else self._generator(s.request_id, s.sampling_params.seed)
+
+    def _verify(self, sampled: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
+        """A step with proposed tokens: each request's 1 + k rows are processed as the k + 1 positions they are
+        (penalties see the proposals before them, min_tokens counts them), then verified."""
+        rows: list[SamplingRow] = []
+        for s in sampled:
+            proposed = s.token_ids[len(s.token_ids) - s.num_spec_tokens:]
+            generator = self._row_generator(s)
+            for j in range(s.num_spec_tokens + 1):
+                outputs = list(s.output_token_ids) + proposed[:j] if j else s.output_token_ids
+                banned = s.banned_token_ids if len(s.output_token_ids) + j < s.sampling_params.min_tokens else ()
+                rows.append(SamplingRow(s.sampling_params, s.prompt_token_ids, outputs, generator, banned))
+        processed = self.sampler.process(logits, rows)
+        raw_logprobs = None
+        if any(s.sampling_params.logprobs is not None for s in sampled):
+            raw_logprobs = logits.float().log_softmax(dim=-1)
+        out = ModelRunnerOutput({})
+        first = 0
+        for s in sampled:
+            k = s.num_spec_tokens
+            block = processed[first:first + k + 1]
+            proposed = s.token_ids[len(s.token_ids) - k:] if k else []
+            if s.sampling_params.greedy:
+                emitted = verify_greedy(block, proposed)
+            else:
+                emitted = verify_random(random_probs(block, [s.sampling_params] * (k + 1)), proposed,
+                                        rows[first].generator)
+            top_n = s.sampling_params.logprobs
+            entries = [] if raw_logprobs is None or top_n is None else [
+                logprob_entry(raw_logprobs[first + j], token, top_n) for j, token in enumerate(emitted)]
+            out.sampled_token_ids[s.request_id] = emitted[-1]
+            if len(emitted) > 1:
+                out.accepted_token_ids[s.request_id] = emitted[:-1]
+            if entries:
+                out.logprobs[s.request_id] = entries[-1]
+                out.accepted_logprobs[s.request_id] = entries[:-1]
+            first += k + 1
+        return out

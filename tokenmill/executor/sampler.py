@@ -79,52 +79,72 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
 
 
+def random_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution a random row draws from: temperature, then top-k / top-p / min-p, then softmax."""
+    device = logits.device
+    sub = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    if any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        sub = filter_logits(
+            sub,
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device, dtype=sub.dtype),
+            torch.tensor([p.min_p for p in params], device=device, dtype=sub.dtype),
+        )
+    return sub.softmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from one row of probabilities: the exponential race, noise from the request's generator."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def logprob_entry(raw_logprobs: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
+    """The chosen token's logprob and the top-N alternatives (one row of the raw log-softmax)."""
+    entry = {token_id: float(raw_logprobs[token_id])}
+    if top_n:
+        values, ids = raw_logprobs.topk(top_n)
+        for v, t in zip(values.tolist(), ids.tolist()):
+            entry.setdefault(t, v)
+    return entry
+
+
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    @staticmethod
+    def process(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Logit bias, penalties and banned tokens: the logits every decision (greedy or random) starts from."""
         logits = logits.float()
-        n = logits.shape[0]
-        raw_logprobs = None
-        if any(r.params.logprobs is not None for r in rows):
-            raw_logprobs = logits.log_softmax(dim=-1)
         if any(r.params.logit_bias for r in rows):
             logits = apply_logit_bias(logits.clone(), rows)
         if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
                for r in rows):
             logits = apply_penalties(logits.clone(), rows)
-        for i, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = float("-inf")
+        banned = [i for i, row in enumerate(rows) if row.banned_token_ids]
+        if banned:
+            logits = logits.clone()
+            for i in banned:
+                logits[i, list(rows[i].banned_token_ids)] = float("-inf")
+        return logits
 
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = logits.float().log_softmax(dim=-1)
+        logits = self.process(logits, rows)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
-            params = [rows[i].params for i in random_rows]
-            sub = logits[idx] / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
-            if any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-                sub = filter_logits(
-                    sub,
-                    torch.tensor([p.top_k for p in params], device=logits.device),
-                    torch.tensor([p.top_p for p in params], device=logits.device, dtype=sub.dtype),
-                    torch.tensor([p.min_p for p in params], device=logits.device, dtype=sub.dtype),
-                )
-            probs = sub.softmax(dim=-1)
+            probs = random_probs(logits[idx], [rows[i].params for i in random_rows])
             noise = torch.empty_like(probs)
             for j, i in enumerate(random_rows):
                 noise[j].exponential_(generator=rows[i].generator)
             tokens[idx] = (probs / noise).argmax(dim=-1)
 
         token_list = tokens.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * n
+        logprobs: list[dict[int, float] | None] = [None] * len(rows)
         if raw_logprobs is not None:
             for i, row in enumerate(rows):
-                top_n = row.params.logprobs
-                if top_n is None:
-                    continue
-                entry = {token_list[i]: float(raw_logprobs[i, token_list[i]])}
-                if top_n:
-                    values, ids = raw_logprobs[i].topk(top_n)
-                    for v, t in zip(values.tolist(), ids.tolist()):
-                        entry.setdefault(t, v)
-                logprobs[i] = entry
+                if row.params.logprobs is not None:
+                    logprobs[i] = logprob_entry(raw_logprobs[i], token_list[i], row.params.logprobs)
         return SamplerOutput(token_list, logprobs)

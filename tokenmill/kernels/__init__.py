@@ -96,7 +96,7 @@ def _gemm_packed_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     lib = load_library("int8_rows")
     if lib is None or not lib.int8_gemm_packed_available():
         return None
-    return _function("int8_rows", "int8_gemm_packed", [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64])
+    return _function("int8_rows", "int8_gemm_packed", [_PTR, _PTR, _PTR, _I64, _I64, _I64])
 
 
 # Up to this many activation rows the packed VNNI kernel beats oneDNN (it streams the weights at memory speed);
@@ -108,45 +108,45 @@ def int8_gemm_packed_available() -> bool:
     return _gemm_packed_fn() is not None
 
 
-def pack_vnni(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 weight [n, k] (k a multiple of 4) -> (packed [ceil(n/16), k/4, 16, 4], 128 * row sums [ceil(n/16)*16])
-    in the layout `int8_gemm_packed` reads (see int8_rows.c)."""
+def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """int8 weight [n, k] (k a multiple of 4) -> packed [ceil(n/16), k/4, 16, 4] holding w + 128 as unsigned
+    bytes, the layout `int8_gemm_packed` reads (see int8_rows.c)."""
     n, k = weight.shape
     padded = -(-n // 16) * 16
     rows = torch.zeros(padded, k, dtype=torch.int8)
     rows[:n] = weight
-    packed = rows.reshape(padded // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return packed, rows.sum(dim=1, dtype=torch.int32) * 128
+    offset = (rows.view(torch.uint8) ^ 0x80).view(torch.int8)  # the bytes of w + 128
+    return offset.reshape(padded // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 @functools.cache
 def _linear_packed_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     if _gemm_packed_fn() is None:
         return None
-    return _function("int8_rows", "int8_linear_packed", [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64])
+    return _function("int8_rows", "int8_linear_packed", [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64])
 
 
-def int8_linear_packed(x: torch.Tensor, packed: torch.Tensor, weight_sum128: torch.Tensor, weight_scale: torch.Tensor,
-                       bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def int8_linear_packed(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                       n: int) -> torch.Tensor:
     """The whole two-level int8 linear for x [rows, k] float32 (rows contiguous) in one native call: the same
     result as quantize_two_level + int8_gemm_packed + dequantize_two_level."""
     fn = _linear_packed_fn()
     assert fn is not None and x.dtype == torch.float32 and x.stride(1) == 1 and packed.shape[1] * 4 == x.shape[1]
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), weight_sum128.data_ptr(),
-       weight_scale.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+    fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), weight_scale.data_ptr(),
+       None if bias is None else bias.data_ptr(), out.data_ptr(), n)
     return out
 
 
-def int8_gemm_packed(q: torch.Tensor, packed: torch.Tensor, weight_sum128: torch.Tensor, n: int) -> torch.Tensor:
+def int8_gemm_packed(q: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """Exact q [rows, k] int8 x weight [n, k] int8 (packed by `pack_vnni`) -> int32 [rows, n]; the same result
     as `torch._int_mm(q, weight.t())`."""
     fn = _gemm_packed_fn()
-    assert fn is not None and q.is_contiguous() and packed.is_contiguous() and weight_sum128.dtype == torch.int32
+    assert fn is not None and q.is_contiguous() and packed.is_contiguous()
     rows, k = q.shape
     assert k % 4 == 0 and packed.shape[1] * 4 == k
     out = torch.empty(rows, n, dtype=torch.int32)
-    fn(q.data_ptr(), packed.data_ptr(), weight_sum128.data_ptr(), out.data_ptr(), rows, n, k)
+    fn(q.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, n, k)
     return out
 
 

@@ -57,8 +57,10 @@ void dequantize_two_level(const int32_t *acc, int64_t rows, int64_t n, const flo
 //
 // Weights are packed at load (model/quant.py: pack_vnni) as [n/16][k/4][16][4]: one 64-byte vector holds four
 // consecutive k of 16 outputs, so `vpdpbusd` with four broadcast activations accumulates 16 outputs per lane and
-// no horizontal sum is needed. The instruction multiplies unsigned by signed bytes: activations are offset to
-// q + 128 (xor 0x80) and 128 * sum_c w[j, c] (`w_sum128`, from the load) is subtracted again.
+// no horizontal sum is needed. The instruction multiplies unsigned by signed bytes and can broadcast its signed
+// operand straight from memory: weights are stored offset to w + 128 (unsigned), activations stay signed and
+// are broadcast four at a time inside the instruction, and 128 * sum_c q[r, c] is subtracted again. One
+// instruction per 4 x 16 multiply-adds, so a few rows cost what one costs: the weights' streaming dominates.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <string.h>
@@ -68,61 +70,73 @@ int int8_gemm_packed_available(void) { return 1; }
 static inline __m512i broadcast_quad(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v ^ (int32_t)0x80808080);
+    return _mm512_set1_epi32(v);  // folded into vpdpbusd's {1to16} memory operand
 }
 
-// ROWS activation rows (rows past `valid` repeat the first and are not stored) against one block of 16 outputs.
-#define ROW_BLOCK(ROWS)                                                                                           \
-    static inline void row_block_##ROWS(const int8_t *q, int64_t valid, const int8_t *wb, int64_t quads,        \
-                                        __m512i corr, __mmask16 mask, int32_t *out, int64_t k, int64_t n) {      \
-        const int8_t *x[ROWS];                                                                                   \
-        __m512i acc[ROWS];                                                                                       \
-        for (int i = 0; i < ROWS; ++i) {                                                                         \
-            x[i] = q + (i < valid ? i : 0) * k;                                                                  \
-            acc[i] = _mm512_setzero_si512();                                                                     \
-        }                                                                                                        \
-        for (int64_t c = 0; c < quads; ++c) {                                                                    \
+// ROWS activation rows against one block of 16 outputs; `corr` holds 128 * sum_c q[r, c] per row. Each row
+// keeps SPLIT accumulators (quads c = s mod SPLIT), so every block runs 8 independent dpbusd chains: with fewer,
+// the instruction's latency, not its throughput, would set the pace (1-2 rows: a decode step).
+#define ROW_BLOCK(ROWS, SPLIT)                                                                                    \
+    static inline void row_block_##ROWS(const int8_t *q, const int32_t *corr, const int8_t *wb, int64_t quads,  \
+                                        __mmask16 mask, int32_t *out, int64_t k, int64_t n) {                    \
+        __m512i acc[ROWS][SPLIT];                                                                                \
+        for (int i = 0; i < ROWS; ++i)                                                                           \
+            for (int s = 0; s < SPLIT; ++s) acc[i][s] = _mm512_setzero_si512();                                  \
+        int64_t c = 0;                                                                                           \
+        for (; c + SPLIT <= quads; c += SPLIT)                                                                   \
+            for (int s = 0; s < SPLIT; ++s) {                                                                    \
+                const __m512i w = _mm512_loadu_si512(wb + (c + s) * 64);                                         \
+                for (int i = 0; i < ROWS; ++i)                                                                   \
+                    acc[i][s] = _mm512_dpbusd_epi32(acc[i][s], w, broadcast_quad(q + i * k + 4 * (c + s)));      \
+            }                                                                                                    \
+        for (; c < quads; ++c) {                                                                                 \
             const __m512i w = _mm512_loadu_si512(wb + c * 64);                                                   \
-            for (int i = 0; i < ROWS; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], broadcast_quad(x[i] + 4 * c), w); \
+            for (int i = 0; i < ROWS; ++i)                                                                       \
+                acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], w, broadcast_quad(q + i * k + 4 * c));                \
         }                                                                                                        \
-        for (int i = 0; i < ROWS && i < valid; ++i)                                                              \
-            _mm512_mask_storeu_epi32(out + i * n, mask, _mm512_sub_epi32(acc[i], corr));                         \
+        for (int i = 0; i < ROWS; ++i) {                                                                         \
+            __m512i sum = _mm512_set1_epi32(-corr[i]);                                                           \
+            for (int s = 0; s < SPLIT; ++s) sum = _mm512_add_epi32(sum, acc[i][s]);                              \
+            _mm512_mask_storeu_epi32(out + i * n, mask, sum);                                                    \
+        }                                                                                                        \
     }
-ROW_BLOCK(4)
-ROW_BLOCK(8)
+ROW_BLOCK(1, 8)
+ROW_BLOCK(2, 4)
+ROW_BLOCK(4, 2)
+ROW_BLOCK(8, 1)
 
-// q [rows, k] (k a multiple of 4), w_packed [ceil(n/16)][k/4][16][4], w_sum128 [ceil(n/16) * 16], out [rows, n]
-void int8_gemm_packed(const int8_t *q, const int8_t *w_packed, const int32_t *w_sum128, int32_t *out,
-                      int64_t rows, int64_t n, int64_t k) {
+// q [rows, k] (k a multiple of 4), w_packed [ceil(n/16)][k/4][16][4] holding w + 128, out [rows, n]
+void int8_gemm_packed(const int8_t *q, const int8_t *w_packed, int32_t *out, int64_t rows, int64_t n, int64_t k) {
     const int64_t quads = k / 4, blocks = (n + 15) / 16;
+    int32_t *corr = malloc(sizeof(int32_t) * (size_t)(rows > 0 ? rows : 1));
+    for (int64_t r = 0; r < rows; ++r) {
+        int32_t sum = 0;
+        for (int64_t c = 0; c < k; ++c) sum += q[r * k + c];
+        corr[r] = 128 * sum;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         const int8_t *wb = w_packed + b * quads * 64;
-        const __m512i corr = _mm512_loadu_si512(w_sum128 + b * 16);
         const int64_t left = n - b * 16;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        for (int64_t r = 0; r < rows;) {
-            const int64_t valid = rows - r;
-            if (valid > 4) {
-                row_block_8(q + r * k, valid, wb, quads, corr, mask, out + r * n + b * 16, k, n);
-                r += 8;
-            } else {
-                row_block_4(q + r * k, valid, wb, quads, corr, mask, out + r * n + b * 16, k, n);
-                r += 4;
-            }
-        }
+        int32_t *ob = out + b * 16;
+        int64_t r = 0;
+        for (; rows - r >= 8; r += 8) row_block_8(q + r * k, corr + r, wb, quads, mask, ob + r * n, k, n);
+        if (rows - r >= 4) row_block_4(q + r * k, corr + r, wb, quads, mask, ob + r * n, k, n), r += 4;
+        if (rows - r >= 2) row_block_2(q + r * k, corr + r, wb, quads, mask, ob + r * n, k, n), r += 2;
+        if (rows - r >= 1) row_block_1(q + r * k, corr + r, wb, quads, mask, ob + r * n, k, n);
     }
+    free(corr);
 }
 // The whole int8 linear for a few rows in one call (quantize, packed GEMM, dequantize): at batch 1 the three
 // separate calls and their buffers cost as much as the GEMM itself.
 void int8_linear_packed(const float *x, int64_t rows, int64_t k, int64_t x_stride, const int8_t *w_packed,
-                        const int32_t *w_sum128, const float *weight_scale, const float *bias, float *out,
-                        int64_t n) {
+                        const float *weight_scale, const float *bias, float *out, int64_t n) {
     int8_t *q = malloc((size_t)(2 * rows * k));
     float *scales = malloc(sizeof(float) * (size_t)(2 * rows));
     int32_t *acc = malloc(sizeof(int32_t) * (size_t)(2 * rows * n));
     quantize_two_level(x, rows, k, x_stride, q, scales);
-    int8_gemm_packed(q, w_packed, w_sum128, acc, 2 * rows, n, k);
+    int8_gemm_packed(q, w_packed, acc, 2 * rows, n, k);
     dequantize_two_level(acc, rows, n, scales, weight_scale, bias, out);
     free(q);
     free(scales);
@@ -132,14 +146,12 @@ void int8_linear_packed(const float *x, int64_t rows, int64_t k, int64_t x_strid
 int int8_gemm_packed_available(void) { return 0; }
 
 void int8_linear_packed(const float *x, int64_t rows, int64_t k, int64_t x_stride, const int8_t *w_packed,
-                        const int32_t *w_sum128, const float *weight_scale, const float *bias, float *out,
-                        int64_t n) {
-    (void)x, (void)rows, (void)k, (void)x_stride, (void)w_packed, (void)w_sum128, (void)weight_scale, (void)bias,
-        (void)out, (void)n;
+                        const float *weight_scale, const float *bias, float *out, int64_t n) {
+    (void)x, (void)rows, (void)k, (void)x_stride, (void)w_packed, (void)weight_scale, (void)bias, (void)out,
+        (void)n;
 }
 
-void int8_gemm_packed(const int8_t *q, const int8_t *w_packed, const int32_t *w_sum128, int32_t *out,
-                      int64_t rows, int64_t n, int64_t k) {
-    (void)q, (void)w_packed, (void)w_sum128, (void)out, (void)rows, (void)n, (void)k;
+void int8_gemm_packed(const int8_t *q, const int8_t *w_packed, int32_t *out, int64_t rows, int64_t n, int64_t k) {
+    (void)q, (void)w_packed, (void)out, (void)rows, (void)n, (void)k;
 }
 #endif

@@ -134,7 +134,6 @@ class Int8Linear(QuantLinear):
         # The same weights packed for the VNNI kernel (kernels/int8_rows.c), which serves small batches; None where
         # that kernel is unavailable. Two layouts cost one more int8 copy (~135 MB on SmolLM2).
         self.packed: torch.Tensor | None = None
-        self.weight_sum128: torch.Tensor | None = None
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features))
 
@@ -142,7 +141,7 @@ class Int8Linear(QuantLinear):
         qweight, scale = quantize_rows(weight)
         self.qweight, self.scale = qweight.contiguous(), scale.squeeze(1).contiguous()
         if kernels.int8_gemm_packed_available() and self.in_features % 4 == 0:
-            self.packed, self.weight_sum128 = kernels.pack_vnni(self.qweight)
+            self.packed = kernels.pack_vnni(self.qweight)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         return self.qweight[index].float() * self.scale[index].unsqueeze(-1)
@@ -154,9 +153,7 @@ class Int8Linear(QuantLinear):
             rows = rows.contiguous()
         native = rows.device.type == "cpu" and kernels.int8_rows_available()
         if native and self.packed is not None and 2 * rows.shape[0] <= kernels.GEMM_PACKED_MAX_ROWS:
-            assert self.weight_sum128 is not None
-            y = kernels.int8_linear_packed(rows, self.packed, self.weight_sum128, self.scale, self.bias,
-                                           self.out_features)
+            y = kernels.int8_linear_packed(rows, self.packed, self.scale, self.bias, self.out_features)
         elif native:
             q, scales = kernels.quantize_two_level(rows)
             acc = torch._int_mm(q, self.qweight.t())

@@ -51,6 +51,15 @@ class EngineMetrics:
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated", labels, registry=r)
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
                                labels + ["finished_reason"], registry=r)
+        self.spec_drafts = Counter("tokenmill:spec_decode_num_drafts", "Speculative proposals verified", labels,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("tokenmill:spec_decode_num_draft_tokens", "Proposed tokens verified",
+                                         labels, registry=r)
+        self.spec_accepted_tokens = Counter("tokenmill:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                            labels, registry=r)
+        self.spec_accepted_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens accepted, by position in the proposal",
+                                             labels + ["position"], registry=r)
         self.model_name = model_name
         for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting, self.kv_usage,
                        self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
@@ -67,6 +76,12 @@ class EngineMetrics:
         self.kv_usage.labels(m).set(s.kv_usage)
         if s.num_preemptions:
             self.preemptions.labels(m).inc(s.num_preemptions)
+        if s.spec_num_drafts:
+            self.spec_drafts.labels(m).inc(s.spec_num_drafts)
+            self.spec_draft_tokens.labels(m).inc(s.spec_num_draft_tokens)
+            self.spec_accepted_tokens.labels(m).inc(s.spec_num_accepted_tokens)
+            for position, count in enumerate(s.spec_accepted_per_pos):
+                self.spec_accepted_per_pos.labels(m, str(position)).inc(count)
         if s.prefix_queries > self._last_queries:
             self.prefix_queries.labels(m).inc(s.prefix_queries - self._last_queries)
             self._last_queries = s.prefix_queries

@@ -1,0 +1,137 @@
+"""Speculative decoding (n-gram) against plain decoding, offline, same engine settings, side by side.
+
+Two workloads of 32 chat prompts: input-grounded (repeat, quote or lightly edit a given text or piece of code:
+the answer copies long spans of its prompt) and open chat (questions with no text to copy). Each is run as a
+single stream (the prompts one after another) and as 32 streams at once, greedy, up to 128 new tokens (EOS ends
+a request, as in real use; greedy outputs are token-identical with and without speculation, so both sides
+generate the same tokens). Writes the `spec_decode` section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import time
+from pathlib import Path
+
+from tokenmill.bench.report import machine_description, markdown_table, write_section
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.model.loader import LoadedModel, load_model
+from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUNDED_TASKS = [
+    "Repeat the following text exactly, word for word:",
+    "Quote the following passage in full:",
+    "Fix any typos in the following text and return the whole text:",
+    "Copy this code exactly:",
+]
+OPEN_QUESTIONS = [
+    "What is the capital of Japan?", "Write a haiku about the sea.", "Explain gravity to a child.",
+    "Tell me a joke about computers.", "Why is the sky blue?", "Give me three tips for learning to cook.",
+    "What is photosynthesis?", "Describe a cat in two sentences.", "How do airplanes fly?",
+    "Write a short poem about autumn.", "What are the planets of the solar system?", "Suggest a name for a dog.",
+    "How does a rainbow form?", "What should I pack for a beach trip?", "Explain what a computer does.",
+    "Write a limerick about a frog.", "What is the tallest mountain?", "How do bees make honey?",
+    "Describe your ideal weekend.", "What is the water cycle?", "Give me a fun fact about octopuses.",
+    "How do I make a paper airplane?", "What is democracy?", "Write two sentences about friendship.",
+    "Why do leaves change color?", "What is a healthy breakfast?", "Explain how a bicycle works.",
+    "What is the speed of light?", "Tell me about the moon.", "How do I stay focused while studying?",
+    "What is music?", "Write a thank-you note to a teacher.",
+]
+
+
+def grounded_materials() -> list[str]:
+    """Paragraphs of this repository's docs and functions of its code: real text and code to copy."""
+    paragraphs = [p.strip() for p in (ROOT / "docs" / "ARCHITECTURE.md").read_text().split("\n\n")
+                  if 300 < len(p.strip()) < 900]
+    from tokenmill.spec_decode import ngram, proposer, rejection
+
+    functions = [inspect.getsource(fn) for fn in (ngram.propose_ngram, rejection.verify_greedy,
+                                                 rejection.verify_random, proposer.NgramProposer.propose)]
+    return (paragraphs[:12] + functions) * 2
+
+
+def workloads(tokenizer: Tokenizer) -> dict[str, list[list[int]]]:
+    materials = grounded_materials()
+    grounded = [tokenizer.encode_chat([{"role": "user", "content": f"{GROUNDED_TASKS[i % 4]}\n\n{m}"}])
+                for i, m in enumerate(materials[:32])]
+    chat = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in OPEN_QUESTIONS]
+    return {"input-grounded": grounded, "open chat": chat}
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, together: bool) -> tuple[float, int]:
+    """(seconds, output tokens): all prompts at once, or one after another."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    batches = [prompts] if together else [[p] for p in prompts]
+    tokens = 0
+    start = time.perf_counter()
+    for batch in batches:
+        for prompt in batch:
+            engine.add_request(None, {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += sum(len(c.delta_token_ids) for c in out.outputs)
+    return time.perf_counter() - start, tokens
+
+
+def engine_for(loaded: LoadedModel, tokenizer: Tokenizer, quantization: str, spec: dict | None) -> LLMEngine:
+    return LLMEngine.from_loaded(EngineConfig(quantization=quantization, speculative_config=spec), loaded, tokenizer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--single-prompts", type=int, default=8, help="prompts run one by one (single stream)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    loaded = load_model(None)
+    tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 5}
+    plain = engine_for(loaded, tokenizer, args.quantization, None)
+    speculative = engine_for(loaded, tokenizer, args.quantization, spec)
+    run(plain, workloads(tokenizer)["open chat"][:2], 8, together=True)  # warm-up (kernels, allocator)
+    run(speculative, workloads(tokenizer)["open chat"][:2], 8, together=True)
+    rows: list[list[object]] = []
+    for name, prompts in workloads(tokenizer).items():
+        for together, label in ((False, "single stream"), (True, "32 streams")):
+            batch = prompts if together else prompts[:args.single_prompts]
+            base_s, base_tokens = run(plain, batch, args.max_tokens, together)
+            scheduler = speculative.core.scheduler
+            before = (scheduler.total_spec_drafts, scheduler.total_spec_draft_tokens,
+                      scheduler.total_spec_accepted_tokens)
+            spec_s, spec_tokens = run(speculative, batch, args.max_tokens, together)
+            drafts = scheduler.total_spec_drafts - before[0]
+            drafted = scheduler.total_spec_draft_tokens - before[1]
+            accepted = scheduler.total_spec_accepted_tokens - before[2]
+            base_rate, spec_rate = base_tokens / base_s, spec_tokens / spec_s
+            row = [name, label, round(base_rate, 1), round(spec_rate, 1), f"{spec_rate / base_rate:.2f}",
+                   f"{accepted / drafted:.2f}" if drafted else "-",
+                   f"{1 + accepted / drafts:.2f}" if drafts else "-",
+                   "yes" if base_tokens == spec_tokens else f"no ({base_tokens} vs {spec_tokens})"]
+            rows.append(row)
+            print(row, flush=True)
+    body = "\n".join([
+        "## Speculative decoding (`python benchmarks/bench_spec_decode.py`)", "",
+        f"Machine: {machine_description()}. `--quantization {args.quantization}`, n-gram proposer with "
+        f"k = {args.num_speculative_tokens} (prompt lookup 2-5), adaptive off-switch per request; greedy, up to "
+        f"{args.max_tokens} new tokens, EOS ends a request. Single stream: {args.single_prompts} prompts one after "
+        "another; 32 streams: 32 prompts submitted together. Plain and speculative engines measured alternately "
+        "in one run.", "",
+        markdown_table(["workload", "streams", "plain tok/s", "speculative tok/s", "speedup",
+                        "acceptance rate", "mean accepted length", "same tokens"], rows), "",
+        "Acceptance rate: accepted / proposed tokens. Mean accepted length: tokens a request emits in a step where "
+        "it verified a proposal (accepted + the target's own; 1 + k at most).",
+    ])
+    if not args.no_write:
+        write_section("spec_decode", body)
+        print("wrote docs/BENCHMARKS.md (spec_decode)")
+
+
+if __name__ == "__main__":
+    main()
