@@ -115,7 +115,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
