@@ -3,14 +3,19 @@ speculation against the same engine without it (greedy: token-identical)."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 import torch
 
 from tests.conftest import CHAT_PROMPTS, LONG_PARAGRAPH, PLAIN_PROMPTS
+from tests.server_utils import live_server
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.metrics import metric_value
 from tokenmill.spec_decode import SpeculativeConfig
 from tokenmill.spec_decode.ngram import propose_ngram
 from tokenmill.spec_decode.proposer import NgramProposer
@@ -215,3 +220,26 @@ def test_seeded_sampling_with_speculation_is_reproducible_and_abort_frees_blocks
     engine.abort_request(request_id)
     assert not engine.has_unfinished_requests()
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+
+
+def test_server_streams_speculated_tokens_like_the_offline_engine(llm, prompts) -> None:  # noqa: ANN001
+    """Through HTTP (several tokens per step reach the stream at once): the same text as the engine without
+    speculation, stop strings included, and the acceptance counters exported."""
+    copy = prompts[-1]
+    expected = llm.generate([{"prompt_token_ids": copy}], SamplingParams(max_tokens=60, temperature=0))[0].outputs[0]
+    stop = expected.text.split()[8]
+    cut = llm.generate([{"prompt_token_ids": copy}], SamplingParams(max_tokens=60, temperature=0, stop=[stop]))
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    with live_server("-q", "none", "--speculative-config", spec) as server:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": copy, "max_tokens": 60, "temperature": 0}
+        full = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert full["text"] == expected.text
+        streamed = ""
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True, "stop": [stop]},
+                          timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += json.loads(line[6:])["choices"][0]["text"]
+        assert streamed == cut[0].outputs[0].text
+        metrics = httpx.get(server.url + "/metrics").text
+        assert (metric_value(metrics, "tokenmill:spec_decode_num_accepted_tokens_total") or 0) > 10
