@@ -50,7 +50,7 @@ def grounded_materials() -> list[str]:
     from tokenmill.spec_decode import ngram, proposer, rejection
 
     functions = [inspect.getsource(fn) for fn in (ngram.propose_ngram, rejection.verify_greedy,
-                                                 rejection.verify_random, proposer.NgramProposer.propose)]
+                                                 rejection.verify_random, proposer.Proposer.propose)]
     return (paragraphs[:12] + functions) * 2
 
 
@@ -85,14 +85,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    parser.add_argument("--draft-model", default=None, help="draft_model: GGUF/HF path (default: the bundled model)")
+    parser.add_argument("--draft-quantization", default="int8", help="draft_model: the draft's linear layers")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--single-prompts", type=int, default=8, help="prompts run one by one (single stream)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     loaded = load_model(None)
     tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": 2,
-            "prompt_lookup_max": 5}
+    spec: dict[str, object] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.method == "draft_model":
+        spec |= {"model": args.draft_model, "quantization": args.draft_quantization}
     plain = engine_for(loaded, tokenizer, args.quantization, None)
     speculative = engine_for(loaded, tokenizer, args.quantization, spec)
     run(plain, workloads(tokenizer)["open chat"][:2], 8, together=True)  # warm-up (kernels, allocator)
@@ -118,8 +122,8 @@ def main() -> None:
             print(row, flush=True)
     body = "\n".join([
         "## Speculative decoding (`python benchmarks/bench_spec_decode.py`)", "",
-        f"Machine: {machine_description()}. `--quantization {args.quantization}`, n-gram proposer with "
-        f"k = {args.num_speculative_tokens} (prompt lookup 2-5), adaptive off-switch per request; greedy, up to "
+        f"Machine: {machine_description()}. `--quantization {args.quantization}`, speculative config `{spec}` "
+        "(n-gram: prompt lookup 2-5), adaptive off-switch per request; greedy, up to "
         f"{args.max_tokens} new tokens, EOS ends a request. Single stream: {args.single_prompts} prompts one after "
         "another; 32 streams: 32 prompts submitted together. Plain and speculative engines measured alternately "
         "in one run.", "",

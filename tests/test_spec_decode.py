@@ -18,7 +18,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import metric_value
 from tokenmill.spec_decode import SpeculativeConfig
 from tokenmill.spec_decode.ngram import propose_ngram
-from tokenmill.spec_decode.proposer import NgramProposer
+from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.spec_decode.rejection import verify_greedy, verify_random
 
 # ------------------------------------------------------------------ proposer and configuration
@@ -37,15 +37,15 @@ def test_speculative_config_parses_vllm_shapes_and_rejects_bad_ones() -> None:
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert config == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4)
     assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative_config.num_speculative_tokens == 2
-    for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"prompt_lookup_min": 4, '
-                '"prompt_lookup_max": 2}', '{"bogus": 1}', "not json"):
+    for bad in ('{"method": "eagle"}', '{"quantization": "int3"}', '{"num_speculative_tokens": 0}',
+                '{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', '{"bogus": 1}', "not json"):
         with pytest.raises(ValueError):
             SpeculativeConfig.parse(bad)
 
 
 def test_proposer_respects_batch_size_length_limit_and_pauses_on_poor_acceptance() -> None:
     config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=3)
-    proposer = NgramProposer(config)
+    proposer = Proposer(config, EngineConfig(), 64)
 
     def decoding(request_id: str, max_total: int) -> Request:
         request = Request(request_id, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams())
@@ -243,3 +243,20 @@ def test_server_streams_speculated_tokens_like_the_offline_engine(llm, prompts) 
         assert streamed == cut[0].outputs[0].text
         metrics = httpx.get(server.url + "/metrics").text
         assert (metric_value(metrics, "tokenmill:spec_decode_num_accepted_tokens_total") or 0) > 10
+
+
+def test_draft_model_int8_drafting_for_float32_target_is_token_identical(loaded_model, tokenizer, prompts,  # noqa: ANN001
+                                                                         reference) -> None:
+    """The bundled model's int8 copy drafts for the float32 target (a real configuration): outputs identical to
+    no speculation, most proposals accepted, and every draft KV block back in its pool at the end."""
+    engine = _engine(loaded_model, tokenizer, num_kv_blocks=256, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 3, "quantization": "int8"})
+    outs = _run(engine, prompts, SamplingParams(max_tokens=40, temperature=0))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    scheduler = engine.core.scheduler
+    assert scheduler.total_spec_accepted_tokens > 0.8 * scheduler.total_spec_draft_tokens > 0
+    draft = engine.core.proposer.draft
+    assert not draft.states and draft.pool.num_free_blocks == draft.pool.num_blocks
+    # sampling with a draft: seeded and reproducible, and an abort mid-run frees the target's blocks
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=5)
+    assert _run(engine, [prompts[-1]], params)[0].token_ids == _run(engine, [prompts[-1]], params)[0].token_ids

@@ -13,7 +13,7 @@ from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from tokenmill.executor.model_runner import Executor
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.spec_decode.proposer import NgramProposer
+from tokenmill.spec_decode.proposer import Proposer
 
 
 @dataclass
@@ -42,7 +42,7 @@ class EngineCore:
         self.kv = KVCacheManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len, clock)
         spec = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer = Proposer(spec, config, executor.num_kv_blocks) if spec is not None else None
         self.num_steps = 0
         self.last_step: StepRecord | None = None
 

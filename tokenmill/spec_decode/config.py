@@ -14,6 +14,10 @@ class SpeculativeConfig:
     # n-gram prompt lookup: match the last n tokens, n from max down to min
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # method "draft_model": the draft (a GGUF file or HF directory with the target's tokenizer; None: the bundled
+    # model) and its linear layers' mode (e.g. int8 drafting for a float32 target)
+    model: str | None = None
+    quantization: str = "auto"
     # no speculation while this many requests (or more) are running: the batch already fills the machine
     disable_by_batch_size: int | None = None
     # per request: stop proposing for a while when the recent acceptance rate falls below this (alone; the bar
@@ -21,13 +25,15 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.3
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":  # the draft-model proposer is not built yet
-            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative method must be 'ngram' or 'draft_model', got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.quantization not in ("auto", "none", "int8", "bf16"):
+            raise ValueError(f"the draft's quantization must be auto, none, int8 or bf16, got {self.quantization!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be >= 1")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
