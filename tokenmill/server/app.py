@@ -31,7 +31,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.platform import in_passing_thread
 from tokenmill.server.lifecycle import GracefulServer, ShuttingDownError
 from tokenmill.server.metrics import EngineMetrics
-from tokenmill.server.middleware import RequestGate, ServerState
+from tokenmill.server.middleware import RequestGate, ServerState, error_body
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder
 
@@ -79,8 +79,7 @@ def as_api_error(exc: BaseException) -> APIError:
 
 def error_response(status: int, message: str, err_type: str = "invalid_request_error", param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, err_type, param), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -355,8 +354,7 @@ async def _sse(builder: ResponseBuilder, merged: AsyncIterator[tuple[int, Reques
     except Exception as exc:  # the stream has started: the error goes in an event, then [DONE] as usual
         err = as_api_error(exc)
         logger.warning("request %s failed mid-stream: %d %s", builder.response_id, err.status, err.message)
-        body = {"error": {"message": err.message, "type": err.err_type, "param": err.param, "code": err.status}}
-        yield f"data: {json.dumps(body)}\n\n"
+        yield f"data: {json.dumps(error_body(err.status, err.message, err.err_type, err.param))}\n\n"
     finally:
         await merged.aclose()  # type: ignore[attr-defined]
     yield "data: [DONE]\n\n"

@@ -30,8 +30,13 @@ class ServerState:
     exit_code: int = 0
 
 
+def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object, as every error response and SSE error event carries it."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
 async def send_error(send: Send, status: int, message: str, err_type: str, headers: dict[str, str]) -> None:
-    body = json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": status}}).encode()
+    body = json.dumps(error_body(status, message, err_type)).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": raw_headers})

@@ -49,12 +49,11 @@ class _SamplingFields(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        # JSON object keys are strings: each must spell a token id (OpenAI rejects anything else too).
-        for key, bias in (value or {}).items():
+        # JSON object keys are strings: each must spell a token id (OpenAI rejects anything else too); the
+        # values' range is SamplingParams' check.
+        for key in value or {}:
             if not key.strip().isdigit():
                 raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return value
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
