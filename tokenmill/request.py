@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.manager import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -73,6 +74,8 @@ class Request:
         self.spec_acceptance = 1.0
         self.spec_pause_steps = 0
         self.spec_pause_length = 0
+        # Structured outputs: its grammar (compiling, then advanced by each emitted token); set by the scheduler.
+        self.structured: StructuredOutputRequest | None = None
 
     @property
     def num_tokens(self) -> int:

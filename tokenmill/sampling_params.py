@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -28,8 +31,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before penalties and sampling (OpenAI's logit_bias, [-100, 100]).
     logit_bias: dict[int, float] | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's field; a dict is converted).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            fields: dict[str, Any] = self.structured_outputs
+            self.structured_outputs = StructuredOutputsParams(**fields)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

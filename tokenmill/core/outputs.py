@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -21,6 +23,7 @@ class ScheduledRequest:
     banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids masked before min_tokens
     # Speculative decoding: token_ids ends with this many proposed tokens, to verify (sample is then True).
     num_spec_tokens: int = 0
+    structured: bool = False  # its sampled rows are masked by the plan's grammar bitmask
 
     @property
     def num_tokens(self) -> int:
@@ -35,6 +38,9 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that ended since the previous plan: the executor drops its per-request state for them.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Structured outputs: int32 token bitmask rows (bit set = allowed) for the logits rows of the structured
+    # requests that sample, in plan order (1 + num_spec_tokens rows each).
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def total_tokens(self) -> int:

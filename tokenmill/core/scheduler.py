@@ -12,8 +12,9 @@ batch's longest request ends (as a padded static batch does).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
@@ -21,6 +22,10 @@ from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from tokenmill.request import Request, RequestStatus
+from tokenmill.structured_output.backend import Grammar
+from tokenmill.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,8 +62,10 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
+        self.structured_output = structured_output
         self.kv = kv
         self.max_model_len = max_model_len
         self.clock = clock
@@ -69,6 +76,8 @@ class Scheduler:
         self.padding_rows: list[Request] = []  # static mode: finished rows still holding their slot
         self.requests: dict[str, Request] = {}
         self._finished_since_plan: list[str] = []
+        self._outputs_since_plan: list[EngineCoreOutput] = []  # requests the core ended outside a step's update
+        self.compiling: list[Request] = []  # waiting requests whose grammar is not compiled yet
         self.total_preemptions = 0
         self.total_spec_drafts = 0
         self.total_spec_draft_tokens = 0
@@ -81,6 +90,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_request(request)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_output is None:
+                raise ValueError("structured outputs are not available in this engine")
+            request.structured = self.structured_output.start(constraint)
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -162,6 +176,11 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if request.spec_token_ids and request.structured is not None:
+                grammar = request.structured.grammar
+                assert grammar is not None
+                # a proposal the grammar rejects would be rejected anyway: do not verify it
+                request.spec_token_ids = request.spec_token_ids[:grammar.valid_prefix(request.spec_token_ids)]
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
             if num_new <= 0:
                 continue
@@ -181,11 +200,26 @@ class Scheduler:
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
 
-        # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last.
+        # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last; those whose
+        # grammar is still compiling step aside without holding up the others.
         if not preempted:
+            self._set_aside_compiling()
             budget = self._admit_waiting(budget, num_scheduled)
+            for request in reversed(self.compiling):
+                self.waiting.push_front(request)
 
         return self._build_plan(num_scheduled, padding, preempted)
+
+    def _set_aside_compiling(self) -> None:
+        self.compiling = [r for r in self.waiting if r.structured is not None and not r.structured.ready]
+        for request in self.compiling:
+            self.waiting.remove(request)
+        failed = [r for r in self.waiting if r.structured is not None and r.structured.failure]
+        for request in failed:
+            logger.error("request %s: %s", request.request_id, request.structured.failure)  # type: ignore[union-attr]
+            self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
+            self._outputs_since_plan.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
         mode = self.config.batching
@@ -269,6 +303,7 @@ class Scheduler:
     def _build_plan(self, num_scheduled: dict[str, int], padding: list[Request],
                     preempted: list[Request]) -> SchedulerOutput:
         scheduled = []
+        grammar_rows: list[tuple[Grammar, Sequence[int]]] = []
         prefill_tokens = decode_tokens = 0
         for request in self.running:
             num_new = num_scheduled.get(request.request_id, 0)
@@ -277,17 +312,22 @@ class Scheduler:
             start = request.num_computed_tokens
             # proposed tokens ride after the known ones, as far as the budget let them
             num_spec = max(0, start + num_new - request.num_tokens)
+            sample = start + num_new >= request.num_tokens
+            grammar = request.structured.grammar if request.structured is not None else None
+            if grammar is not None and sample:
+                grammar_rows.append((grammar, request.spec_token_ids[:num_spec]))
             scheduled.append(ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.all_token_ids[start:start + num_new] + request.spec_token_ids[:num_spec],
                 start_position=start,
                 block_table=self.kv.block_table(request.request_id),
-                sample=start + num_new >= request.num_tokens,
+                sample=sample,
                 sampling_params=request.sampling_params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 banned_token_ids=self._banned_tokens(request),
                 num_spec_tokens=num_spec,
+                structured=grammar is not None,
             ))
             if start >= request.num_prompt_tokens:
                 decode_tokens += num_new
@@ -305,6 +345,9 @@ class Scheduler:
         finished, self._finished_since_plan = self._finished_since_plan, []
         plan = SchedulerOutput(scheduled, prefill_tokens, decode_tokens,
                                [r.request_id for r in preempted], finished)
+        if grammar_rows:
+            assert self.structured_output is not None
+            plan.grammar_bitmask = self.structured_output.grammar_bitmask(grammar_rows)
         self.last_stats = self._stats(plan, len(padding), len(preempted))
         return plan
 
@@ -332,7 +375,7 @@ class Scheduler:
 
     def update(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         now = self.clock()
-        outputs = []
+        outputs, self._outputs_since_plan = self._outputs_since_plan, []
         stats = self.last_stats
         for scheduled in plan.scheduled:
             if not scheduled.sample or scheduled.padding:
@@ -365,6 +408,8 @@ class Scheduler:
                 times.token_times.append(now)
                 out.new_token_ids.append(token)
                 status = self._check_stop(request, token)
+                if status is None and request.structured is not None:
+                    status = self._advance_grammar(request, token)
                 if status is not None:
                     self.running.remove(request)
                     self._finish(request, status)
@@ -387,6 +432,18 @@ class Scheduler:
         for pos in range(num_accepted):
             stats.spec_accepted_per_pos[pos] += 1
         request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * num_accepted / num_proposed
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> RequestStatus | None:
+        """Feed an emitted token to the request's grammar: a complete grammar ends the request (its EOS need not
+        be generated); a token the grammar rejects (only possible if the mask was bypassed) aborts it."""
+        grammar = request.structured.grammar  # type: ignore[union-attr]
+        assert grammar is not None
+        if not grammar.accept(token):
+            logger.error("request %s: token %d does not match its grammar: %s", request.request_id, token,
+                         grammar.error)
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -14,6 +15,10 @@ from tokenmill.executor.model_runner import Executor
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.structured_output.manager import StructuredOutputManager
+
+# With nothing runnable but requests whose grammar is compiling, the loop waits this long for one at most.
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass
@@ -35,12 +40,13 @@ class ModelStepError(RuntimeError):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.executor = executor
         self.clock = clock
         self.kv = KVCacheManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, max_model_len, clock)
+        self.scheduler = Scheduler(config, self.kv, max_model_len, clock, structured_output)
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = Proposer(spec, config, executor.num_kv_blocks) if spec is not None else None
         self.num_steps = 0
@@ -61,6 +67,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        if plan.is_empty and self.scheduler.compiling:  # do not spin while the grammar worker needs the CPU
+            concurrent.futures.wait([r.structured.pending for r in self.scheduler.compiling  # type: ignore[union-attr]
+                                     ], GRAMMAR_WAIT_S, concurrent.futures.FIRST_COMPLETED)
         try:
             output = self.executor.execute(plan)
         except Exception as exc:

@@ -17,6 +17,7 @@ from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.manager import StructuredOutputManager
 
 # A prompt is text, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
 PromptType = str | Sequence[int] | dict[str, Any]
@@ -31,7 +32,8 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
-        self.core = EngineCore(config, executor, max_model_len, clock)
+        self.structured_output = StructuredOutputManager(tokenizer.backend, vocab_size, eos_token_ids)
+        self.core = EngineCore(config, executor, max_model_len, clock, self.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
         self.clock = clock
         self._ids = itertools.count()
@@ -86,6 +88,8 @@ class LLMEngine:
         out_of_vocab = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if out_of_vocab:
             raise ValueError(f"logit_bias token ids out of range [0, {self.vocab_size}): {out_of_vocab[:5]}")
+        if params.structured_outputs is not None:
+            self.structured_output.validate(params.structured_outputs)
         wanted = len(token_ids) + (params.max_tokens or 0)
         if strict_max_tokens and params.max_tokens is not None and wanted > self.max_model_len:
             raise ValueError(

@@ -19,6 +19,7 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.quant import resolve_quantization
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.rejection import verify_greedy, verify_random
+from tokenmill.structured_output.bitmask import apply_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,9 @@ class ModelRunner:
         sampled, logits = self.compute_logits(plan)
         if logits is None:
             return ModelRunnerOutput({})
+        if plan.grammar_bitmask is not None:
+            # as in vLLM, before the sampler: logprobs are those of the constrained distribution
+            apply_bitmask(logits, self._structured_rows(sampled), plan.grammar_bitmask)
         if any(s.num_spec_tokens for s in sampled):
             return self._verify(sampled, logits)
         rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._row_generator(s),
@@ -159,6 +163,17 @@ class ModelRunner:
             sampled_token_ids={s.request_id: t for s, t in zip(sampled, result.token_ids)},
             logprobs={s.request_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None},
         )
+
+    @staticmethod
+    def _structured_rows(sampled: list[ScheduledRequest]) -> torch.Tensor:
+        """Logits rows (1 + num_spec_tokens per sampled request) of the structured requests, in plan order."""
+        rows: list[int] = []
+        first = 0
+        for s in sampled:
+            if s.structured:
+                rows.extend(range(first, first + 1 + s.num_spec_tokens))
+            first += 1 + s.num_spec_tokens
+        return torch.tensor(rows, dtype=torch.long)
 
     def _row_generator(self, s: ScheduledRequest) -> torch.Generator | None:
         return None if s.sampling_params.greedy else self._generator(s.request_id, s.sampling_params.seed)
