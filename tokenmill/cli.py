@@ -109,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes, request_timeout=args.request_timeout,
         shutdown_timeout=args.shutdown_timeout, enable_log_requests=args.enable_log_requests,
         disable_log_stats=args.disable_log_stats, disable_access_log=args.disable_uvicorn_access_log,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )
     return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
                       log_level=args.log_level)
@@ -142,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--enable-log-requests", action="store_true", help="log each request's start and end")
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line in the log")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": parse tool calls the model writes (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                       help="the format of the model's tool calls (hermes: <tool_call>{...}</tool_call>)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -34,6 +34,7 @@ from tokenmill.server.metrics import EngineMetrics
 from tokenmill.server.middleware import RequestGate, ServerState, error_body
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder
+from tokenmill.server.tools import forced_call_constraint, prepare_conversation
 
 logger = logging.getLogger("tokenmill.server")
 T = TypeVar("T")
@@ -54,6 +55,9 @@ class ServerOptions:
     log_stats_interval: float = field(
         default_factory=lambda: float(os.environ.get("TOKENMILL_LOG_STATS_INTERVAL", DEFAULT_INTERVAL_S)))
     disable_access_log: bool = False
+    # tool_choice "auto": parse the model's own tool calls (vLLM's flags; the parser reads Hermes blocks)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class APIError(Exception):
@@ -268,7 +272,7 @@ def build_app(engine: LLMEngine, options: ServerOptions | None = None, state: Se
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         check_model(body.model)
-        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
+        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs, body.constraint()))
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]
         builder = ResponseBuilder("completion", model_name, engine.tokenizer, len(prompts), params.n,
                                   logprobs=body.logprobs, request_id=http_request.state.request_id)
@@ -280,13 +284,31 @@ def build_app(engine: LLMEngine, options: ServerOptions | None = None, state: Se
         check_model(body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs or 0
-        params = _params(lambda: body.sampling_params(max_tokens, top if body.logprobs else None))
+        tool_mode = body.tool_mode
+        if tool_mode == "auto" and not (options.enable_auto_tool_choice and options.tool_call_parser):
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                'set', param="tool_choice")
+        tools = body.tool_definitions()
+
+        def constraint() -> Any:
+            requested = body.constraint()
+            if tool_mode not in ("required", "named"):
+                return requested
+            if requested is not None:
+                raise ValueError("a forced tool call cannot be combined with another structured outputs constraint")
+            named = body.tool_choice.function.name if tool_mode == "named" else None  # type: ignore[union-attr]
+            return forced_call_constraint(tools, named, body.parallel_tool_calls)
+
+        params = _params(lambda: body.sampling_params(max_tokens, top if body.logprobs else None, constraint()))
         try:
-            prompt_ids = engine.tokenizer.encode_chat(body.conversation(), body.add_generation_prompt)
+            messages, template_vars = prepare_conversation(body.conversation(), tools,
+                                                           engine.tokenizer.chat_template)
+            prompt_ids = engine.tokenizer.encode_chat(messages, body.add_generation_prompt, **template_vars)
         except Exception as exc:  # a template that rejects the conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
         builder = ResponseBuilder("chat", model_name, engine.tokenizer, 1, params.n,
-                                  logprobs=top if body.logprobs else None, request_id=http_request.state.request_id)
+                                  logprobs=top if body.logprobs else None, request_id=http_request.state.request_id,
+                                  tool_mode=tool_mode)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,
                            include_usage, http_request)

@@ -7,10 +7,33 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("a json_schema response format needs json_schema.schema")
+        return self
 
 
 class _SamplingFields(BaseModel):
@@ -37,6 +60,13 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -56,7 +86,26 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
         return value
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for, from whichever field it used (ValueError for two)."""
+        given: list[StructuredOutputsParams] = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            given.append(StructuredOutputsParams(json_object=True))
+        elif self.response_format is not None and self.response_format.type == "json_schema":
+            given.append(StructuredOutputsParams(json=self.response_format.json_schema.json_schema))  # type: ignore[union-attr]
+        if self.structured_outputs is not None:
+            given.append(StructuredOutputsParams(**self.structured_outputs))
+        guided: dict[str, Any] = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                                  "grammar": self.guided_grammar}
+        given += [StructuredOutputsParams(**{kind: value}) for kind, value in guided.items() if value is not None]
+        if len(given) > 1:
+            raise ValueError("only one structured outputs constraint can be used (response_format, "
+                             "structured_outputs, guided_json, guided_regex, guided_choice, guided_grammar, or a "
+                             "forced tool call)")
+        return given[0] if given else None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -76,6 +125,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            structured_outputs=constraint,
         )
 
 
@@ -122,11 +172,24 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -136,6 +199,27 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -143,6 +227,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
@@ -150,5 +237,35 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs=true")
         return self
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in "
+                             f"tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named (OpenAI's default: auto when tools are given)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_definitions(self) -> list[dict[str, Any]]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def conversation(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        return messages

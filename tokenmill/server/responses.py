@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.server.tools import ToolCallStreamer, parse_tool_calls
 
 
 @dataclass
@@ -19,12 +20,15 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs_sent: int = 0
+    tool_calls: ToolCallStreamer | None = None  # streaming with tools: splits the text into content and calls
 
 
 class ResponseBuilder:
     def __init__(self, kind: Literal["completion", "chat"], model: str, tokenizer: Tokenizer, num_prompts: int,
-                 n: int, logprobs: int | None, request_id: str | None = None) -> None:
+                 n: int, logprobs: int | None, request_id: str | None = None, tool_mode: str = "none") -> None:
         self.kind = kind
+        # auto / required / named: the output may hold tool calls (none: it is all content)
+        self.tool_mode = tool_mode
         self.model = model
         self.tokenizer = tokenizer
         self.n = n
@@ -32,7 +36,8 @@ class ResponseBuilder:
         # vLLM's rule: the id is the client's X-Request-Id when it sends one
         self.response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
-        self.choices = [ChoiceState() for _ in range(num_prompts * n)]
+        self.choices = [ChoiceState(tool_calls=ToolCallStreamer() if tool_mode != "none" else None)
+                        for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
 
@@ -100,9 +105,16 @@ class ResponseBuilder:
         for index, state in enumerate(self.choices):
             logprobs = self._logprobs(state, 0, len(state.token_ids), 0)
             if self.kind == "chat":
-                choices.append({"index": index, "message": {"role": "assistant", "content": state.text},
-                                "logprobs": logprobs, "finish_reason": state.finish_reason,
-                                "stop_reason": state.stop_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": state.text}
+                finish_reason = state.finish_reason
+                if self.tool_mode != "none":
+                    content, calls = parse_tool_calls(state.text)
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": [c.to_openai() for c in calls]}
+                        finish_reason = self._finish_reason(finish_reason, True)
+                choices.append({"index": index, "message": message, "logprobs": logprobs,
+                                "finish_reason": finish_reason, "stop_reason": state.stop_reason})
             else:
                 choices.append({"index": index, "text": state.text, "logprobs": logprobs,
                                 "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
@@ -133,9 +145,16 @@ class ResponseBuilder:
             logprobs = self._logprobs(state, state.logprobs_sent, end, len(state.text) - len(completion.delta_text))
             state.logprobs_sent = end
             if self.kind == "chat":
-                delta = {"content": completion.delta_text} if completion.delta_text else {}
-                choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": completion.finish_reason}
+                finish_reason = completion.finish_reason
+                if state.tool_calls is None:
+                    delta: dict[str, Any] = {"content": completion.delta_text} if completion.delta_text else {}
+                else:
+                    content, calls = state.tool_calls.feed(completion.delta_text, final=finish_reason is not None)
+                    delta = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = calls
+                    finish_reason = self._finish_reason(finish_reason, state.tool_calls.called)
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
                 choice = {"index": index, "text": completion.delta_text, "logprobs": logprobs,
                           "finish_reason": completion.finish_reason}
@@ -143,6 +162,12 @@ class ResponseBuilder:
                 choice["stop_reason"] = completion.stop_reason
             chunks.append(self._chunk([choice], include_usage))
         return chunks
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's: `tool_calls` when the model chose to call (auto, required); a named call ends with `stop`."""
+        if reason == "stop" and called and self.tool_mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
 
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.response_id,

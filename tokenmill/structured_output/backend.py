@@ -16,7 +16,7 @@ import llguidance
 import torch
 
 # Fixed separators, no free whitespace: see StructuredOutputsParams.disable_any_whitespace.
-JSON_OPTIONS: llguidance.JsonCompileOptions = {
+JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
 }
 
@@ -41,7 +41,7 @@ def grammar_definition(kind: str, text: str) -> str:
     message when the schema, regex or grammar is invalid."""
     if kind in ("json", "json_object"):
         schema = closed_objects(json.loads(text)) if kind == "json" else {"type": "object"}
-        definition = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        definition = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     elif kind == "regex":
         definition = llguidance.LLMatcher.grammar_from_regex(text)
     elif kind == "choice":
