@@ -111,9 +111,10 @@ def test_auto_and_none_and_tool_results(client: openai.OpenAI) -> None:
 
 
 def test_response_format_and_vllm_fields(client: openai.OpenAI) -> None:
-    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20},
-                                               "population_millions": {"type": "integer", "minimum": 0, "maximum": 2000}},
-              "required": ["capital", "population_millions"]}
+    schema = {"type": "object", "properties": {
+        "capital": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 2000}},
+        "required": ["capital", "population_millions"]}
     messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
     reply = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, max_tokens=60, temperature=0,
