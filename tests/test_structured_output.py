@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 import torch
 
+from tokenmill import kernels
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
@@ -90,11 +91,17 @@ def constrained(max_tokens: int = 160, temperature: float = 0.0, seed: int | Non
 # ------------------------------------------------------------------ the mask itself
 
 
-def test_bitmask_masks_exactly_the_cleared_bits() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_bitmask_masks_exactly_the_cleared_bits(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if native:
+        assert kernels.token_bitmask_supported(torch.zeros(1, 8)), "the C kernel should build here"
+    else:
+        monkeypatch.setattr(kernels, "token_bitmask_supported", lambda logits: False)
     generator = torch.Generator().manual_seed(0)
     vocab = 1000
     bitmask = allocate_bitmask(3, vocab)
     bitmask.copy_(torch.randint(-2**31, 2**31 - 1, bitmask.shape, generator=generator, dtype=torch.int64).int())
+    bitmask[0, 3], bitmask[1, 4] = 0, -1  # whole words: none allowed, all allowed
     logits = torch.randn(5, vocab, generator=generator)
     before = logits.clone()
     apply_bitmask(logits, torch.tensor([0, 2, 4]), bitmask)

@@ -202,6 +202,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def _bitmask_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _function("token_bitmask", "apply_token_bitmask", [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64])
+
+
+def token_bitmask_supported(logits: torch.Tensor) -> bool:
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and _bitmask_fn() is not None)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf where bit t of bitmask row i is clear (token_bitmask.c)."""
+    fn = _bitmask_fn()
+    assert fn is not None
+    rows = rows.to(torch.int64).contiguous()
+    bitmask = bitmask.contiguous()
+    fn(logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.numel(), bitmask.data_ptr(), bitmask.shape[1],
+       logits.shape[1])
+
+
 def prepare() -> str:
     """Build every kernel now (at start-up, not in the first request's step); returns a line for the log."""
     ready = {
@@ -209,6 +229,7 @@ def prepare() -> str:
         "int8 rows": int8_rows_available(),
         "VNNI int8 GEMM": int8_gemm_packed_available(),
         "layer ops": _layer_fns() is not None,
+        "token bitmask": _bitmask_fn() is not None,
     }
     return "native CPU kernels: " + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in ready.items())
 

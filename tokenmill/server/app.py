@@ -392,6 +392,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     # The engine steps in its own thread: load the model in a passing thread, so that the engine thread's
     # OpenMP team is the only one alive while serving (see platform.in_passing_thread).
     engine = in_passing_thread(lambda: LLMEngine.from_config(config))
+    engine.structured_output.warm_up()
     state = ServerState()
     app = build_app(engine, options, state)
     kv = engine.core.kv

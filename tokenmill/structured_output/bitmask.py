@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill import kernels
+
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -15,6 +17,9 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, the logits of tokens the bitmask forbids, for logits rows `rows` (bitmask row i
     goes with logits row rows[i])."""
+    if kernels.token_bitmask_supported(logits):
+        kernels.apply_token_bitmask(logits, rows, bitmask)
+        return
     vocab = logits.shape[-1]
     allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
     rows = rows.to(logits.device)

@@ -89,10 +89,17 @@ class StructuredOutputManager:
             self._compiled.move_to_end(definition)
         return StructuredOutputRequest(compiled)
 
-    def _compile(self, definition: str) -> llguidance.LLMatcher:
+    def warm_up(self) -> None:
+        """Build the vocabulary index now, in the worker (a server calls this at start-up)."""
+        self._worker.submit(self._ensure_compiler)
+
+    def _ensure_compiler(self) -> GrammarCompiler:
         if self._compiler is None:
             self._compiler = GrammarCompiler(self._tokenizer.to_str(), self.vocab_size, self._eos_token_ids)
-        return self._compiler.compile(definition)
+        return self._compiler
+
+    def _compile(self, definition: str) -> llguidance.LLMatcher:
+        return self._ensure_compiler().compile(definition)
 
     def grammar_bitmask(self, rows: Sequence[tuple[Grammar, Sequence[int]]]) -> torch.Tensor:
         """The bitmask for the constrained rows of a step, in order: for each (grammar, proposed tokens), the
