@@ -158,6 +158,10 @@ def test_json_schema_suite_validates_greedy_and_sampled_batched_with_unconstrain
             jsonschema.validate(json.loads(out.text), schema)
     # the unconstrained requests got exactly the tokens they get without constrained neighbours
     assert [o.token_ids for o in outs[-len(PLAIN):]] == [o.token_ids for o in alone]
+    # and a constrained request alone gets the tokens it got in the batch
+    for name in ("refs", "patterns"):
+        index = 2 * list(SCHEMAS).index(name)
+        assert run(engine, [prompts[index]], [params[index]])[0].token_ids == outs[index].token_ids
 
 
 def test_regex_choice_and_grammars(engine: LLMEngine) -> None:

@@ -140,6 +140,7 @@ def test_response_format_and_vllm_fields(client: openai.OpenAI) -> None:
      "strin"),
     ({"extra_body": {"structured_outputs": {"regex": "a(b"}}}, "unclosed group"),
     ({"extra_body": {"guided_regex": "a+", "guided_choice": ["a"]}}, "only one"),
+    ({"extra_body": {"structured_outputs": {"regexp": "a+"}}}, "regexp"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
     ({"tool_choice": "required"}, "tool_choice needs tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),

@@ -94,7 +94,10 @@ class _SamplingFields(BaseModel):
         elif self.response_format is not None and self.response_format.type == "json_schema":
             given.append(StructuredOutputsParams(json=self.response_format.json_schema.json_schema))  # type: ignore[union-attr]
         if self.structured_outputs is not None:
-            given.append(StructuredOutputsParams(**self.structured_outputs))
+            try:
+                given.append(StructuredOutputsParams(**self.structured_outputs))
+            except TypeError as exc:  # an unknown key
+                raise ValueError(f"structured_outputs: {exc}") from exc
         guided: dict[str, Any] = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
                                   "grammar": self.guided_grammar}
         given += [StructuredOutputsParams(**{kind: value}) for kind, value in guided.items() if value is not None]
