@@ -18,32 +18,17 @@ import time
 
 import torch
 
+from tokenmill.bench.machine import gemm_gflops, memory_bandwidth_gbs
 from tokenmill.bench.report import machine_description, markdown_table, write_section
 from tokenmill.bench.stats import median_seconds
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
 from tokenmill.executor.model_runner import ModelRunner
 from tokenmill.model.loader import load_model
-from tokenmill.model.quant import QuantLinear, make_linear
+from tokenmill.model.quant import QuantLinear
 from tokenmill.sampling_params import SamplingParams
 
 MODES = ["none", "int8", "bf16"]
-
-
-def memory_bandwidth_gbs() -> float:
-    """Copy bandwidth (bytes read + written) of a 256 MB buffer: what streaming weights can reach."""
-    src = torch.ones(64 * 2**20)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), 10) / 1e9
-
-
-def gemm_gflops(mode: str, m: int = 512, k: int = 2048, n: int = 2048) -> float:
-    """Throughput of one large linear of the mode's backend (int8 counts integer ops)."""
-    layer = make_linear(mode, k, n)
-    layer.load(torch.randn(n, k))
-    x = torch.randn(m, k)
-    with torch.inference_mode():
-        return 2 * m * k * n / median_seconds(lambda: layer(x), 10) / 1e9
 
 
 def linears_ms(runner: ModelRunner, batch: int) -> float:

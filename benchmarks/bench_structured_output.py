@@ -10,26 +10,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import memory_bandwidth_gbs  # noqa: E402
-
-import tokenmill.executor.model_runner as model_runner  # noqa: E402
-from tokenmill.bench.report import machine_description, markdown_table, write_section  # noqa: E402
-from tokenmill.config import EngineConfig  # noqa: E402
-from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenmill.model.loader import load_model  # noqa: E402
-from tokenmill.model.tokenizer import Tokenizer  # noqa: E402
-from tokenmill.sampling_params import SamplingParams  # noqa: E402
-from tokenmill.structured_output import StructuredOutputManager, StructuredOutputsParams  # noqa: E402
-from tokenmill.structured_output.backend import Grammar  # noqa: E402
+import tokenmill.executor.model_runner as model_runner
+from tokenmill.bench.machine import memory_bandwidth_gbs
+from tokenmill.bench.report import machine_description, markdown_table, write_section
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.model.loader import load_model
+from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output import StructuredOutputManager, StructuredOutputsParams
+from tokenmill.structured_output.backend import Grammar
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "flat (3 fields)": {"type": "object", "properties": {

@@ -1,4 +1,4 @@
-"""`tokenmill generate | serve | bench` command line."""
+"""`tokenmill generate | serve | bench | sim` command line."""
 
 from __future__ import annotations
 
@@ -163,6 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     bench_soak = bench_sub.add_parser("soak", help="drive a server with thousands of mixed requests, check it holds")
     soak.add_args(bench_soak)
     bench_soak.set_defaults(func=soak.main)
+
+    sim = sub.add_parser("sim", help="the real scheduler on a simulated clock (cost model per step)")
+    sim_sub = sim.add_subparsers(dest="sim_command", required=True)
+    from tokenmill.sim import cli as sim_cli
+
+    sim_run = sim_sub.add_parser("run", help="simulate a workload on a model and hardware preset")
+    sim_cli.add_args(sim_run)
+    sim_run.set_defaults(func=sim_cli.main)
+    from tokenmill.sim import calibrate
+
+    sim_calibrate = sim_sub.add_parser("calibrate", help="fit this CPU's profile to timed steps of the real engine")
+    calibrate.add_args(sim_calibrate)
+    sim_calibrate.set_defaults(func=calibrate.main)
 
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -17,6 +17,15 @@ from tokenmill.model.tokenizer import Tokenizer
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name sent to the server")
+    add_workload_args(parser)
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--token-prompts", action="store_true", help="send token ids instead of text")
+    parser.add_argument("--output-json", default=None)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload and its arrivals (shared with `tokenmill sim`, so both run the same requests)."""
     parser.add_argument("--tokenizer", default=None, help="GGUF file or HF dir for building prompts "
                         "(default: the bundled model)")
     parser.add_argument("--workload", default="mixed", choices=["mixed", "random", "shared-prefix",
@@ -28,13 +37,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-input-len", type=int, default=32, help="random: prompt tokens (vLLM's name)")
     parser.add_argument("--random-output-len", type=int, default=256, help="random: output tokens (vLLM's name)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate, req/s (inf: burst)")
-    parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=float, default=None, help="seconds, for goodput")
     parser.add_argument("--slo-tpot", type=float, default=None, help="seconds, for goodput")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--token-prompts", action="store_true", help="send token ids instead of text")
-    parser.add_argument("--output-json", default=None)
 
 
 def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> list[workloads.WorkItem]:
