@@ -9,16 +9,9 @@ from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.core import EngineCore
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sim.executor import SimClock as FakeClock  # time moves only when a test moves it
 
 EOS = 2
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeExecutor:

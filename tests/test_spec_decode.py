@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import CHAT_PROMPTS, LONG_PARAGRAPH, PLAIN_PROMPTS
+from tests.engine_utils import run_engine
 from tests.server_utils import live_server
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -129,16 +130,7 @@ def _engine(loaded_model, tokenizer, **config) -> LLMEngine:  # noqa: ANN001, AN
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list:
-    param_list = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [engine.add_request(None, {"prompt_token_ids": p}, sp) for p, sp in zip(prompts, param_list)]
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0]
-    engine.core.scheduler.check_integrity()
-    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
-    return [outputs[i] for i in ids]
+    return run_engine(engine, [{"prompt_token_ids": p} for p in prompts], params)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 import torch
 
+from tests.engine_utils import run_engine as run
 from tokenmill import kernels
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -60,18 +61,6 @@ PLAIN = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,", "Onc
 @pytest.fixture(scope="module")
 def engine(loaded_model, tokenizer) -> LLMEngine:  # noqa: ANN001
     return LLMEngine.from_loaded(EngineConfig(quantization="none"), loaded_model, tokenizer)
-
-
-def run(engine: LLMEngine, prompts: list, params: list[SamplingParams]) -> list:
-    ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0]
-    engine.core.scheduler.check_integrity()
-    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
-    return [outputs[i] for i in ids]
 
 
 def chat(engine: LLMEngine, text: str) -> dict:
