@@ -211,13 +211,20 @@ class Scheduler:
         return self._build_plan(num_scheduled, padding, preempted)
 
     def _set_aside_compiling(self) -> None:
-        self.compiling = [r for r in self.waiting if r.structured is not None and not r.structured.ready]
-        for request in self.compiling:
+        """Take out of the waiting queue, in one pass, the requests whose grammar is still compiling (kept in
+        `compiling`, put back after admission) and those whose compilation failed (aborted)."""
+        self.compiling = []
+        failed = []
+        for request in self.waiting:
+            if request.structured is not None:
+                if not request.structured.ready:
+                    self.compiling.append(request)
+                elif request.structured.failure:
+                    failed.append(request)
+        for request in self.compiling + failed:
             self.waiting.remove(request)
-        failed = [r for r in self.waiting if r.structured is not None and r.structured.failure]
         for request in failed:
             logger.error("request %s: %s", request.request_id, request.structured.failure)  # type: ignore[union-attr]
-            self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
             self._outputs_since_plan.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
 
