@@ -10,9 +10,12 @@ import pytest
 from tokenmill.bench.loadgen import arrival_times
 from tokenmill.bench.workloads import WorkItem
 from tokenmill.config import EngineConfig
+from tokenmill.executor.model_runner import ModelRunner
 from tokenmill.sim import specs
+from tokenmill.sim.calibrate import trace
 from tokenmill.sim.cost_model import StepShape, step_seconds
 from tokenmill.sim.executor import kv_blocks_for
+from tokenmill.sim.questions import capacity, goodput_knee, steady_workload, sweep
 from tokenmill.sim.simulator import Simulation
 
 LLAMA8B, H100 = specs.model("llama-3-8b"), specs.hardware("h100-sxm")
@@ -84,3 +87,42 @@ def test_continuous_batching_beats_static_on_the_same_workload() -> None:
     ratio = runs["continuous"].summary["output_throughput"] / runs["static"].summary["output_throughput"]
     assert ratio > 1.3, ratio
     assert runs["continuous"].summary["e2e_s"]["p50"] < runs["static"].summary["e2e_s"]["p50"]
+
+
+def test_rate_sweep_finds_the_goodput_knee_and_capacity_splits_the_rate() -> None:
+    config = EngineConfig(max_num_seqs=128, max_num_batched_tokens=4096)
+    simulation = Simulation(LLAMA8B, H100, config)
+    steady = steady_workload(workload, num_requests=50, duration=4.0)
+    assert len(steady(1.0)) == 50 and len(steady(20.0)) == 80 and len(steady(float("inf"))) == 50
+    points = sweep(simulation, steady, "request-rate", [5, 40, 200], rate=0.0, slo_ttft=0.5)
+    shares = [p.summary["good_share"] for p in points]
+    assert shares[0] == 1.0 and shares[-1] < 0.5, shares  # far past the knee, queues blow the TTFT SLO
+    knee = goodput_knee(points)
+    assert knee is not None and knee.value in (5.0, 40.0)
+    assert knee.summary["good_share"] >= 0.9
+    # an engine setting varies while the arrivals stay: fewer sequences per step cannot be faster
+    seqs = sweep(simulation, steady, "max-num-seqs", ["4", "128"], rate=40.0)
+    assert [p.value for p in seqs] == [4, 128]
+    assert seqs[0].summary["e2e_s"]["p50"] > seqs[1].summary["e2e_s"]["p50"]
+    with pytest.raises(ValueError, match="cannot sweep"):
+        sweep(simulation, steady, "block-size", [16], rate=1.0)
+
+    answer = capacity(simulation, steady, 200.0, slo_ttft=0.5, slo_tpot=None)
+    assert answer.replicas is not None and answer.replicas > 1
+    tried = dict(answer.tried)
+    assert tried[answer.replicas] >= 0.9  # enough replicas meet the SLO ...
+    assert answer.replicas - 1 not in tried or tried[answer.replicas - 1] < 0.9  # ... and one fewer does not
+    assert answer.per_replica_rate == pytest.approx(200.0 / answer.replicas)
+    with pytest.raises(ValueError, match="needs an SLO"):
+        capacity(simulation, steady, 1.0, None, None)
+
+
+def test_calibration_trace_times_every_model_step_of_a_real_run(loaded_model, tokenizer) -> None:  # noqa: ANN001
+    """The wall-clock trace lines each model call up with its engine step, and every token is accounted for."""
+    config = EngineConfig(quantization="none", max_num_batched_tokens=64)
+    runner = ModelRunner(dataclasses.replace(config, num_kv_blocks=64), loaded_model.config, loaded_model.weights)
+    items = [WorkItem("", tokenizer.encode(text), n) for text, n in (("The sky is", 3), ("One two three " * 12, 2))]
+    steps = trace(runner, 64, config, items, rate=float("inf"))
+    assert sum(s.shape.num_tokens for s in steps) == sum(len(i.prompt_token_ids) + i.max_tokens - 1 for i in items)
+    assert max(s.shape.num_tokens for s in steps) <= 64  # the token budget chunked the longer prompt
+    assert all(0 < s.model_seconds <= s.step_seconds for s in steps)

@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     sim_run = sim_sub.add_parser("run", help="simulate a workload on a model and hardware preset")
     sim_cli.add_args(sim_run)
     sim_run.set_defaults(func=sim_cli.main)
+    sim_sweep = sim_sub.add_parser("sweep", help="vary one setting (request rate, batching, token budget, seqs)")
+    sim_cli.add_sweep_args(sim_sweep)
+    sim_sweep.set_defaults(func=sim_cli.sweep_main)
+    sim_capacity = sim_sub.add_parser("capacity", help="replicas needed for a target rate under SLOs")
+    sim_cli.add_capacity_args(sim_capacity)
+    sim_capacity.set_defaults(func=sim_cli.capacity_main)
     from tokenmill.sim import calibrate
 
     sim_calibrate = sim_sub.add_parser("calibrate", help="fit this CPU's profile to timed steps of the real engine")

@@ -34,8 +34,13 @@ class WorkItem:
     arrival_offset: float | None = None  # seconds after the start, for scripted scenarios
 
 
+# Prompts are built from spans this long at random offsets: the corpus repeats every ~250 tokens, so longer
+# slices would make unrelated prompts share their first KV blocks (and hit the prefix cache) at scale.
+_SPAN = 8
+
+
 class _TokenSource:
-    """Slices of a natural-text token stream, so prompts look like text to a tokenizer."""
+    """Spans of a natural-text token stream, so prompts look like text to a tokenizer yet share no prefix."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -44,9 +49,9 @@ class _TokenSource:
     def take(self, rng: random.Random, length: int) -> list[int]:
         out: list[int] = []
         while len(out) < length:
-            start = rng.randrange(len(self.stream) - 64)
-            out += self.stream[start:start + min(length - len(out), len(self.stream) - start)]
-        return out[:length]
+            start = rng.randrange(len(self.stream) - _SPAN)
+            out += self.stream[start:start + min(length - len(out), _SPAN)]
+        return out
 
     def item(self, rng: random.Random, length: int, max_tokens: int, prefix: list[int] | None = None,
              arrival_offset: float | None = None) -> WorkItem:

@@ -4,6 +4,7 @@ model's factors to them, check the fit on held-out plans, and save a hardware pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -11,14 +12,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenmill.bench import workloads
+from tokenmill.bench.loadgen import arrival_times
 from tokenmill.bench.machine import gemm_gflops, memory_bandwidth_gbs
+from tokenmill.bench.workloads import WorkItem
 from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
-from tokenmill.executor.model_runner import ModelRunner
+from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.engine.core import EngineCore
+from tokenmill.executor.model_runner import ModelRunner, num_kv_blocks_for
 from tokenmill.model.loader import load_model
+from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sim import specs
 from tokenmill.sim.cost_model import StepShape, step_cost, step_seconds
+from tokenmill.sim.simulator import drive
 
 # Plans: decode batches at several contexts, prompt chunks at several offsets, and the two mixed.
 DECODES = [(batch, context) for batch in (1, 2, 4, 8, 16, 32, 64) for context in (32, 256, 1024)]
@@ -49,12 +56,52 @@ def blocks_needed(shapes: list[StepShape], block_size: int) -> int:
     return max(sum(math.ceil((b + n) / block_size) for n, b, _ in s.sequences) for s in shapes)
 
 
+class TimedExecutor:
+    """The real model runner, recording each step's shape and how long the model took."""
+
+    def __init__(self, runner: ModelRunner, num_kv_blocks: int) -> None:
+        self.runner = runner
+        self.num_kv_blocks = num_kv_blocks
+        self.steps: list[tuple[StepShape, float]] = []
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        output = self.runner.execute(plan)
+        self.steps.append((StepShape.of(plan), time.perf_counter() - start))
+        return output
+
+
+@dataclass
+class TracedStep:
+    shape: StepShape
+    model_seconds: float  # the runner's execute
+    step_seconds: float  # the whole engine step: schedule, execute, update
+
+
+def trace(runner: ModelRunner, num_kv_blocks: int, config: EngineConfig, items: list[WorkItem], rate: float,
+          seed: int = 0) -> list[TracedStep]:
+    """The workload through the real engine core and runner on the wall clock, arrivals as `bench serve` sends
+    them (the core sees a pool of `num_kv_blocks`): every step's shape and times."""
+    executor = TimedExecutor(runner, num_kv_blocks)
+    core = EngineCore(config, executor, max_model_len=8192, clock=time.monotonic)
+    start = time.monotonic()
+    arrivals = [start + t for t in arrival_times(items, rate, seed)]
+    run = drive(core, items, arrivals, time.monotonic, lambda t: time.sleep(max(0.0, t - time.monotonic())))
+    # the core calls the executor once per step, empty plans included: the two lists line up
+    return [TracedStep(shape, model_seconds, step_seconds)
+            for (shape, model_seconds), step_seconds in zip(executor.steps, run.step_seconds, strict=True)
+            if shape.sequences]
+
+
 @dataclass
 class Calibration:
     profile: specs.HardwareProfile
-    fit_error: float  # median |predicted - measured| / measured on the plans fitted
-    held_out_error: float  # the same on plans left out of the fit
-    rows: list[tuple[str, float, float]]  # (plan, measured s, predicted s) of the held-out plans
+    grid_error: float  # median |predicted - measured| / measured model time, held-out grid plans
+    trace_error: float  # the same for whole engine steps, held-out steps of the traced workload
+    fit_error: float  # the same over everything fitted
+    rows: list[tuple[str, float, float]]  # (plan, measured s, predicted s) of the held-out grid plans
+    num_grid: int
+    num_trace: int
 
 
 def describe(shape: StepShape) -> str:
@@ -65,17 +112,23 @@ def describe(shape: StepShape) -> str:
     return f"{decodes} decodes + chunks {chunks}, context up to {context}"
 
 
-def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0) -> Calibration:
-    loaded = load_model(None)
-    model = specs.model("smollm2-135m")
-    shapes = plan_shapes()
-    config = EngineConfig(quantization=quantization)
-    config.num_kv_blocks = blocks_needed(shapes, config.block_size)
-    runner = ModelRunner(config, loaded.config, loaded.weights)
-    weight_bytes = {"int8": 1.0, "bf16": 2.0}.get(runner.quantization, 4.0)
+def nonnegative_lstsq(features: np.ndarray, target: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted least squares with every coefficient >= 0 (a negative one is dropped and the rest refitted)."""
+    active = list(range(features.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(features[:, active] * weights[:, None], target * weights, rcond=None)
+        if (coef >= 0).all() or len(active) == 1:
+            break
+        del active[int(np.argmin(coef))]
+    full = np.zeros(features.shape[1])
+    full[active] = np.maximum(coef, 0)
+    return full
+
+
+def time_grid(runner: ModelRunner, shapes: list[StepShape], block_size: int, repeats: int) -> list[float]:
     measured = []
     for shape in shapes:
-        plan = synthetic_plan(shape, config.block_size)
+        plan = synthetic_plan(shape, block_size)
         runner.execute(plan)  # warm-up
         times = []
         for _ in range(repeats):
@@ -83,34 +136,78 @@ def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0) -> Ca
             runner.execute(plan)
             times.append(time.perf_counter() - start)
         measured.append(statistics.median(times))
-    rng = np.random.default_rng(seed)
-    held_out = set(rng.choice(len(shapes), size=len(shapes) // 4, replace=False).tolist())
-    fit = [i for i in range(len(shapes)) if i not in held_out]
+    return measured
+
+
+def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace_requests: int = 60,
+              trace_rate: float = 2.0) -> Calibration:
+    """Fit the model's time on a grid of synthetic plans and on the steps of a real workload (`mixed` at
+    `trace_rate` through the engine core), and the engine's own time per step (scheduling, bookkeeping) on
+    that workload; a quarter of each is held out to measure the error."""
+    loaded = load_model(None)
+    tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
+    model = specs.model("smollm2-135m")
+    grid = plan_shapes()
+    config = EngineConfig(quantization=quantization)
+    serving_blocks = num_kv_blocks_for(config, loaded.config)  # the pool a server gets
+    runner = ModelRunner(dataclasses.replace(config, num_kv_blocks=max(serving_blocks, blocks_needed(
+        grid, config.block_size))), loaded.config, loaded.weights)
+    grid_seconds = time_grid(runner, grid, config.block_size, repeats)
+    traced = trace(runner, serving_blocks, config, workloads.mixed(tokenizer, trace_requests, seed=seed + 1),
+                   trace_rate, seed + 1)
+
+    weight_bytes = {"int8": 1.0, "bf16": 2.0}.get(runner.quantization, 4.0)
     peak = gemm_gflops(runner.quantization) * 1e9
     bandwidth = memory_bandwidth_gbs() * 1e9
-    features = np.array([[1.0, len(s.sequences), c.flops / peak, c.bytes / bandwidth]
+    shapes = grid + [t.shape for t in traced]
+    model_seconds = np.array(grid_seconds + [t.model_seconds for t in traced])
+    features = np.array([[1.0, len(s.sequences), c.flops / peak, c.bytes / bandwidth, c.kv_read_bytes / bandwidth]
                          for s in shapes for c in [step_cost(s, model, weight_bytes, 4.0)]])
-    target = np.array(measured)
-    # relative least squares (each plan weighs the same whatever its size), coefficients kept non-negative
-    active = list(range(4))
-    while True:
-        weights = 1.0 / target[fit]
-        coef, *_ = np.linalg.lstsq(features[fit][:, active] * weights[:, None], target[fit] * weights, rcond=None)
-        if (coef >= 0).all() or len(active) == 1:
-            break
-        del active[int(np.argmin(coef))]
-    full = np.zeros(4)
-    full[active] = np.maximum(coef, 0)
-    profile = specs.HardwareProfile(
+    rng = np.random.default_rng(seed)
+    held_grid = set(rng.choice(len(grid), size=len(grid) // 4, replace=False).tolist())
+    held_trace = {len(grid) + i for i in rng.choice(len(traced), size=len(traced) // 4, replace=False).tolist()}
+    fit = np.array([i for i in range(len(shapes)) if i not in held_grid | held_trace])
+    # relative errors (every step weighs the same whatever its size); the grid covers the extremes the workload
+    # rarely reaches, and weighs more than its share
+    weights = 1.0 / model_seconds
+    weights[:len(grid)] *= max(1.0, math.sqrt(len(traced) / len(grid)))
+    coef = nonnegative_lstsq(features[fit], model_seconds[fit], weights[fit])
+    # the engine's own time around the model call: per step, per sequence, per token
+    fit_trace = [i - len(grid) for i in fit if i >= len(grid)]
+    engine = nonnegative_lstsq(
+        np.array([[1.0, len(traced[i].shape.sequences), traced[i].shape.num_tokens] for i in fit_trace]),
+        np.array([traced[i].step_seconds - traced[i].model_seconds for i in fit_trace]), np.ones(len(fit_trace)))
+    efficiency = [1.0 / c if c > 0 else 1e9 for c in coef[2:]]  # a term the fit dropped costs nothing
+    model_profile = specs.HardwareProfile(
         name=f"cpu-{runner.quantization}", peak_flops=peak, memory_bandwidth=bandwidth, memory_bytes=0.0,
-        flops_efficiency=1.0 / full[2] if full[2] > 0 else 1e9, bandwidth_efficiency=1.0 / full[3] if full[3] > 0
-        else 1e9, step_overhead_s=float(full[0]), per_sequence_s=float(full[1]), weight_bytes=weight_bytes,
-        kv_bytes=4.0, combine="sum")
-    predicted = [step_seconds(s, model, profile) for s in shapes]
-    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
-    return Calibration(profile, float(np.median([errors[i] for i in fit])),
-                       float(np.median([errors[i] for i in held_out])),
-                       [(describe(shapes[i]), measured[i], predicted[i]) for i in sorted(held_out)])
+        flops_efficiency=efficiency[0], bandwidth_efficiency=efficiency[1], kv_read_efficiency=efficiency[2],
+        step_overhead_s=float(coef[0]), per_sequence_s=float(coef[1]), weight_bytes=weight_bytes, kv_bytes=4.0,
+        combine="sum")
+    profile = dataclasses.replace(model_profile, step_overhead_s=float(coef[0] + engine[0]),
+                                  per_sequence_s=float(coef[1] + engine[1]), per_token_s=float(engine[2]))
+
+    def error(i: int) -> float:
+        if i < len(grid):  # a grid plan was timed without the engine around it
+            return abs(step_seconds(shapes[i], model, model_profile) - grid_seconds[i]) / grid_seconds[i]
+        step = traced[i - len(grid)]
+        return abs(step_seconds(step.shape, model, profile) - step.step_seconds) / step.step_seconds
+
+    return Calibration(
+        profile, float(np.median([error(i) for i in held_grid])), float(np.median([error(i) for i in held_trace])),
+        float(np.median([error(i) for i in fit])),
+        [(describe(grid[i]), grid_seconds[i], step_seconds(grid[i], model, model_profile))
+         for i in sorted(held_grid)], len(grid), len(traced))
+
+
+def describe_profile(p: specs.HardwareProfile) -> str:
+    def share(efficiency: float | None) -> str:
+        return "no fitted cost" if efficiency is None or efficiency >= 1e8 else f"{efficiency:.2f}"
+
+    return (f"{p.name}: {p.step_overhead_s * 1e3:.2f} ms per step + {p.per_sequence_s * 1e6:.0f} us per sequence "
+            f"+ {p.per_token_s * 1e6:.1f} us per token; compute at {share(p.flops_efficiency)} of "
+            f"{p.peak_flops / 1e9:.0f} GOP/s (measured GEMM), weights and activations at "
+            f"{share(p.bandwidth_efficiency)} and the attention's KV reads at {share(p.kv_read_efficiency)} of "
+            f"{p.memory_bandwidth / 1e9:.1f} GB/s (measured copy)")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -123,10 +220,10 @@ def main(args: argparse.Namespace) -> int:
     result = calibrate(args.quantization, args.repeats)
     result.profile.save(args.output)
     p = result.profile
-    print(f"{p.name}: overhead {p.step_overhead_s * 1e3:.2f} ms/step + {p.per_sequence_s * 1e6:.0f} us/sequence, "
-          f"compute at {p.flops_efficiency:.2f} of {p.peak_flops / 1e9:.0f} GFLOP/s, memory at "
-          f"{p.bandwidth_efficiency:.2f} of {p.memory_bandwidth / 1e9:.1f} GB/s")
-    print(f"median error: {result.fit_error:.1%} on the fitted plans, {result.held_out_error:.1%} held out")
+    print(f"{result.num_grid} grid plans and {result.num_trace} steps of a real workload timed")
+    print(describe_profile(p))
+    print(f"median error held out: {result.grid_error:.1%} on grid plans (model time), {result.trace_error:.1%} "
+          f"on the workload's steps (whole step); {result.fit_error:.1%} on what was fitted")
     for plan, measured, predicted in result.rows:
         print(f"  {plan}: measured {measured * 1e3:.2f} ms, predicted {predicted * 1e3:.2f} ms")
     print(f"wrote {args.output}")

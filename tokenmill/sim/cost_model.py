@@ -28,7 +28,8 @@ class StepShape:
 @dataclass(frozen=True)
 class StepCost:
     flops: float
-    bytes: float
+    bytes: float  # weights, KV written, activations
+    kv_read_bytes: float  # the KV cache the attention reads (its own efficiency: kernels differ most there)
 
 
 def step_cost(shape: StepShape, model: ModelSpec, weight_bytes: float, kv_bytes: float,
@@ -46,8 +47,8 @@ def step_cost(shape: StepShape, model: ModelSpec, weight_bytes: float, kv_bytes:
     weights = (model.layer_params + (model.head_params if sampled else 0)) * weight_bytes
     kv_write = model.kv_bytes_per_token(kv_bytes) * tokens
     activations = 4.0 * tokens * model.hidden_size * model.num_layers * 2  # residual stream in and out, float32
-    return StepCost((flops + attention) / tensor_parallel,
-                    (weights + kv_read + kv_write + activations) / tensor_parallel)
+    return StepCost((flops + attention) / tensor_parallel, (weights + kv_write + activations) / tensor_parallel,
+                    kv_read / tensor_parallel)
 
 
 def step_seconds(shape: StepShape, model: ModelSpec, hw: HardwareProfile, tensor_parallel: int = 1) -> float:
@@ -55,6 +56,8 @@ def step_seconds(shape: StepShape, model: ModelSpec, hw: HardwareProfile, tensor
         return 0.0
     cost = step_cost(shape, model, hw.weight_bytes, hw.kv_bytes, tensor_parallel)
     compute = cost.flops / (hw.peak_flops * hw.flops_efficiency)
-    memory = cost.bytes / (hw.memory_bandwidth * hw.bandwidth_efficiency)
+    kv_efficiency = hw.kv_read_efficiency or hw.bandwidth_efficiency
+    memory = (cost.bytes / hw.bandwidth_efficiency + cost.kv_read_bytes / kv_efficiency) / hw.memory_bandwidth
     work = max(compute, memory) if hw.combine == "max" else compute + memory
-    return hw.step_overhead_s + hw.per_sequence_s * len(shape.sequences) + work
+    return (hw.step_overhead_s + hw.per_sequence_s * len(shape.sequences) + hw.per_token_s * shape.num_tokens
+            + work)

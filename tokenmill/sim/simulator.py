@@ -4,7 +4,7 @@ cost-model executor and a simulated clock, and reports what `tokenmill bench ser
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,10 @@ class Simulation:
         self.num_kv_blocks = num_kv_blocks or config.num_kv_blocks or kv_blocks_for(
             model, hw, config.block_size, tensor_parallel, kv_cache_memory_gb=config.kv_cache_memory_gb)
 
+    def with_config(self, config: EngineConfig) -> Simulation:
+        """The same model, hardware and KV pool under other engine settings."""
+        return Simulation(self.model, self.hw, config, self.tensor_parallel, self.max_model_len, self.num_kv_blocks)
+
     def run(self, items: Sequence[WorkItem], arrivals: Sequence[float], slo_ttft: float | None = None,
             slo_tpot: float | None = None) -> SimResult:
         """Each item arrives at its time (seconds); every request generates exactly its max_tokens."""
@@ -53,32 +57,52 @@ class Simulation:
         clock = SimClock()
         executor = SimExecutor(self.model, self.hw, clock, self.num_kv_blocks, self.tensor_parallel)
         core = EngineCore(self.config, executor, self.max_model_len, clock)
-        order = sorted(range(len(items)), key=lambda i: arrivals[i])
-        requests: list[Request] = []
-        next_item = 0
-        peak_kv = 0.0
-        step_seconds = []
-        while next_item < len(order) or core.has_unfinished_requests():
-            if not core.has_unfinished_requests():
-                clock.now = max(clock.now, arrivals[order[next_item]])  # idle until the next arrival
-            while next_item < len(order) and arrivals[order[next_item]] <= clock.now:
-                item = items[order[next_item]]
-                request = Request(str(order[next_item]), item.prompt_token_ids,
-                                  SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, temperature=0),
-                                  arrival_time=arrivals[order[next_item]])
-                core.add_request(request)
-                requests.append(request)
-                next_item += 1
-            before = clock.now
-            core.step()
-            step_seconds.append(clock.now - before)
-            peak_kv = max(peak_kv, core.kv.usage())
-        results = [_result(r) for r in sorted(requests, key=lambda r: int(r.request_id))]
+
+        def idle_until(t: float) -> None:
+            clock.now = max(clock.now, t)
+
+        run = drive(core, items, arrivals, clock, idle_until)
         start = min(arrivals) if arrivals else 0.0
-        summary = summarize(results, clock.now - start, slo_ttft, slo_tpot)
-        return SimResult(summary, results, executor.num_steps, executor.busy_seconds,
-                         core.scheduler.total_preemptions, peak_kv, time.perf_counter() - wall_start,
-                         self.num_kv_blocks, step_seconds)
+        summary = summarize(run.results, clock.now - start, slo_ttft, slo_tpot)
+        return SimResult(summary, run.results, executor.num_steps, executor.busy_seconds,
+                         core.scheduler.total_preemptions, run.peak_kv_usage, time.perf_counter() - wall_start,
+                         self.num_kv_blocks, run.step_seconds)
+
+
+@dataclass
+class WorkloadRun:
+    results: list[RequestResult]
+    step_seconds: list[float]
+    peak_kv_usage: float
+
+
+def drive(core: EngineCore, items: Sequence[WorkItem], arrivals: Sequence[float], clock: Callable[[], float],
+          idle_until: Callable[[float], None]) -> WorkloadRun:
+    """Feed the items to the engine core at their arrival times (on `clock`) and step it until all are done;
+    `idle_until` passes the time when nothing runs (a simulated clock jumps, a real one sleeps). Every request
+    generates exactly its max_tokens, greedy."""
+    order = sorted(range(len(items)), key=lambda i: arrivals[i])
+    requests: list[Request] = []
+    next_item = 0
+    peak_kv = 0.0
+    step_seconds = []
+    while next_item < len(order) or core.has_unfinished_requests():
+        if not core.has_unfinished_requests():
+            idle_until(arrivals[order[next_item]])
+        while next_item < len(order) and arrivals[order[next_item]] <= clock():
+            item = items[order[next_item]]
+            request = Request(str(order[next_item]), item.prompt_token_ids,
+                              SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, temperature=0),
+                              arrival_time=arrivals[order[next_item]])
+            core.add_request(request)
+            requests.append(request)
+            next_item += 1
+        before = clock()
+        core.step()
+        step_seconds.append(clock() - before)
+        peak_kv = max(peak_kv, core.kv.usage())
+    results = [_result(r) for r in sorted(requests, key=lambda r: int(r.request_id))]
+    return WorkloadRun(results, step_seconds, peak_kv)
 
 
 def _result(request: Request) -> RequestResult:
