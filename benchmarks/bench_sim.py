@@ -1,14 +1,15 @@
 """The simulator checked against the real engine on this CPU, then used at GPU scale. Writes the `sim` section of
 docs/BENCHMARKS.md.
 
-1. Calibrate (`tokenmill sim calibrate`): time real steps over a grid of plans, fit the CPU profile, report the
-   step-time error on held-out plans (target: median within 15%).
+1. Calibrate (`tokenmill sim calibrate`): time real steps over a grid of plans and the steps of a real workload,
+   fit the CPU profile, report the step-time error on held-out plans and steps (target: median within 15%).
 2. The `mixed` workload through a real server (`tokenmill bench serve`) and through the simulator with the fitted
    profile and the server's default engine settings, at two request rates: output throughput and TTFT p50
    (target: within 20%).
 3. GPU scale: OPT-13B on one A100-80GB, continuous vs dynamic vs static batching on the same burst of requests
-   (the shape of Anyscale's continuous-batching results), and a simulated day of requests against the wall
-   time it takes to simulate.
+   (the shape of Anyscale's continuous-batching results); Llama-3-8B on an H100: a rate sweep with its goodput
+   knee (plot), a max_num_batched_tokens sweep, replicas needed for a target rate; a simulated day of requests
+   against the wall time it takes to simulate.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.bench import workloads
@@ -27,25 +29,44 @@ from tokenmill.config import EngineConfig
 from tokenmill.model.loader import load_model
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.sim import specs
-from tokenmill.sim.calibrate import calibrate
+from tokenmill.sim.calibrate import Calibration, calibrate, describe_profile
+from tokenmill.sim.cli import SWEEP_HEADER, plot_sweep, sweep_rows
+from tokenmill.sim.questions import Capacity, capacity, goodput_knee, steady_workload, sweep
 from tokenmill.sim.simulator import Simulation
+from tokenmill.sim.trace import read_step_trace
 
 ROOT = Path(__file__).resolve().parents[1]
+PLOTS = ROOT / "docs" / "plots"
 
 
 def pct(a: float, b: float) -> str:
     return f"{(a - b) / b:+.0%}"
 
 
-def validate_cpu(profile: specs.HardwareProfile, quantization: str, rates: list[float], num_requests: int,
-                 tokenizer: Tokenizer) -> list[list[object]]:
-    items = workloads.mixed(tokenizer, num_requests, seed=0)
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def calibrate_and_validate(quantization: str, rates: list[float], num_requests: int, tokenizer: Tokenizer,
+                           trace_path: Path) -> tuple[Calibration, list[list[object]]]:
+    """One server (OpenMP's default wait policy, as the calibration's own runs) with a step trace: a calibration
+    workload through it, the profile fitted to its steps (`tokenmill sim calibrate --step-trace`), then the
+    validation rates, each with its own prompts (no run finds another's in the prefix cache)."""
     rows: list[list[object]] = []
-    simulation = Simulation(specs.model("smollm2-135m"), profile, EngineConfig(), max_model_len=8192)
-    with live_server("--quantization", quantization, "--disable-log-stats") as server:
-        asyncio.run(run_load(server.url, "SmolLM2-135M-Instruct", items[:4], float("inf"), None, 0))  # warm-up
-        for rate in rates:
-            results, duration = asyncio.run(run_load(server.url, "SmolLM2-135M-Instruct", items, rate, None, 0))
+    trace_path.unlink(missing_ok=True)
+    with live_server("--quantization", quantization, "--disable-log-stats", "--step-trace", str(trace_path),
+                     omp_wait_policy=None) as server:
+        asyncio.run(run_load(server.url, MODEL, workloads.mixed(tokenizer, 4, seed=100), float("inf"), None, 0))
+        time.sleep(0.5)  # the warm-up's lines are written from the server's event loop
+        skip = len(trace_path.read_text().splitlines())
+        asyncio.run(run_load(server.url, MODEL, workloads.mixed(tokenizer, 60, seed=1), 2.0, None, 1))
+        time.sleep(0.5)
+        cal = calibrate(quantization, step_trace=read_step_trace(trace_path, skip))
+        print(describe_profile(cal.profile))
+        print(f"held-out error: grid {cal.grid_error:.1%}, server steps {cal.trace_error:.1%}", flush=True)
+        simulation = Simulation(specs.model("smollm2-135m"), cal.profile, EngineConfig(), max_model_len=8192)
+        for i, rate in enumerate(rates):
+            items = workloads.mixed(tokenizer, num_requests, seed=10 + i)
+            results, duration = asyncio.run(run_load(server.url, MODEL, items, rate, None, 0))
             real = summarize(results, duration)
             sim = simulation.run(items, arrival_times(items, rate, 0)).summary
             rows.append([rate, round(real["output_throughput"], 1), round(sim["output_throughput"], 1),
@@ -54,7 +75,7 @@ def validate_cpu(profile: specs.HardwareProfile, quantization: str, rates: list[
                          pct(sim["ttft_s"]["p50"], real["ttft_s"]["p50"]),
                          round(real["tpot_s"]["p50"] * 1e3, 1), round(sim["tpot_s"]["p50"] * 1e3, 1)])
             print(rows[-1], flush=True)
-    return rows
+    return cal, rows
 
 
 def gpu_batching(tokenizer: Tokenizer, num_requests: int) -> list[list[object]]:
@@ -75,6 +96,35 @@ def gpu_batching(tokenizer: Tokenizer, num_requests: int) -> list[list[object]]:
     return rows
 
 
+@dataclass
+class GpuQuestions:
+    rates: list[list[object]]
+    knee: float | None
+    budgets: list[list[object]]
+    capacity: Capacity
+    slo_ttft: float
+    slo_tpot: float
+
+
+def gpu_questions(tokenizer: Tokenizer, duration: float) -> GpuQuestions:
+    """Llama-3-8B on one H100-SXM, `mixed`: rate sweep and knee, token-budget sweep at a loaded rate, capacity."""
+    slo_ttft, slo_tpot = 1.0, 0.05
+    simulation = Simulation(specs.model("llama-3-8b"), specs.hardware("h100-sxm"),
+                            EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192))
+    workload = steady_workload(lambda n: workloads.mixed(tokenizer, n, seed=3), 200, duration)
+    rates = sweep(simulation, workload, "request-rate", [10, 20, 40, 60, 80, 100, 120], 0.0, 3, slo_ttft, slo_tpot,
+                  progress=lambda p: print("rate", p.value, flush=True))
+    knee = goodput_knee(rates)
+    PLOTS.mkdir(exist_ok=True)
+    plot_sweep(rates, "request rate (req/s)", str(PLOTS / "sim_rates.png"),
+               "simulated: Llama-3-8B on 1 x H100-SXM, mixed")
+    budgets = sweep(simulation, workload, "max-num-batched-tokens", [512, 1024, 2048, 4096, 8192], 80.0, 3, slo_ttft,
+                    slo_tpot, progress=lambda p: print("budget", p.value, flush=True))
+    answer = capacity(simulation, workload, 400.0, slo_ttft, slo_tpot, 0.9, 3)
+    return GpuQuestions(sweep_rows(rates), knee.value if knee else None, sweep_rows(budgets), answer, slo_ttft,
+                        slo_tpot)
+
+
 def simulated_day(tokenizer: Tokenizer, num_requests: int, rate: float) -> list[object]:
     items = workloads.mixed(tokenizer, num_requests, seed=2)
     start = time.perf_counter()
@@ -93,44 +143,63 @@ def simulated_day(tokenizer: Tokenizer, num_requests: int, rate: float) -> list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quantization", default="auto")
-    parser.add_argument("--rates", type=float, nargs="+", default=[1.5, 3.0])
+    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0])
     parser.add_argument("--num-requests", type=int, default=80)
     parser.add_argument("--gpu-requests", type=int, default=1000)
     parser.add_argument("--day-requests", type=int, default=100_000)
     parser.add_argument("--day-rate", type=float, default=1.2, help="req/s (1.2 req/s is ~100k requests a day)")
+    parser.add_argument("--duration", type=float, default=60.0, help="GPU sweeps: seconds of arrivals per point")
     parser.add_argument("--profile", default=str(ROOT / "docs" / "cpu-profile.json"))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     loaded = load_model(None)
     tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
     del loaded
-    cal = calibrate(args.quantization)
+    cal, validation = calibrate_and_validate(args.quantization, args.rates, args.num_requests, tokenizer,
+                                             Path("/tmp/tokenmill-step-trace.jsonl"))
     cal.profile.save(args.profile)
-    p = cal.profile
-    print(f"held-out step error {cal.held_out_error:.1%}", flush=True)
-    validation = validate_cpu(p, args.quantization, args.rates, args.num_requests, tokenizer)
     batching = gpu_batching(tokenizer, args.gpu_requests)
+    questions = gpu_questions(tokenizer, args.duration)
     day = simulated_day(tokenizer, args.day_requests, args.day_rate)
+    answer = questions.capacity
     body = "\n".join([
         "## Simulator (`python benchmarks/bench_sim.py`)", "",
         f"Machine: {machine_description()}.", "",
         f"Calibration (`tokenmill sim calibrate --quantization {args.quantization}`, profile in "
-        f"docs/cpu-profile.json): {len(cal.rows) * 4} plans timed, a quarter held out. Fitted: "
-        f"{p.step_overhead_s * 1e3:.2f} ms per step + {p.per_sequence_s * 1e6:.0f} us per sequence, compute at "
-        f"{p.flops_efficiency:.2f} of {p.peak_flops / 1e9:.0f} GOP/s (measured GEMM), memory at "
-        f"{p.bandwidth_efficiency:.2f} of {p.memory_bandwidth / 1e9:.1f} GB/s (measured copy). Median step-time "
-        f"error: **{cal.held_out_error:.1%} on held-out plans** ({cal.fit_error:.1%} on the fitted ones).", "",
+        f"docs/cpu-profile.json, `--step-trace` of the server below): the model's time on {cal.num_grid} synthetic "
+        "plans (decode batches 1-64 at contexts 32-1024, prompt chunks 16-512, mixes) and on the steps of an "
+        f"in-process `mixed` run at 2 req/s; the time around the model on the {cal.num_trace} steps the server "
+        f"took for 60 `mixed` requests at 2 req/s (there the model ran {cal.slowdown:.2f}x slower than alone: the "
+        "server's threads and the load generator share the 2 cores). A quarter of each held out. Fitted: "
+        f"{describe_profile(cal.profile)}.", "",
+        f"Median step-time error: **{cal.grid_error:.1%} on held-out grid plans** (model time) and "
+        f"**{cal.trace_error:.1%} on held-out server steps** (the whole engine step); "
+        f"{cal.fit_error:.1%} on what was fitted.", "",
         markdown_table(["held-out plan", "measured ms", "predicted ms"],
                        [[plan, round(m * 1e3, 2), round(pr * 1e3, 2)] for plan, m, pr in cal.rows]), "",
-        f"`mixed` ({args.num_requests} requests, prompts 32-512, outputs 8-512) against a real server "
-        f"(`tokenmill serve --quantization {args.quantization}`, default engine settings) and simulated with the "
-        "same settings, arrivals and lengths:", "",
+        f"`mixed` ({args.num_requests} requests, prompts 32-512, outputs 8-512, new prompts at each rate) against "
+        f"a real server (`tokenmill serve --quantization {args.quantization}`, default engine settings, OpenMP's "
+        "default wait policy as in the calibration) and simulated with the same settings, arrivals and lengths:",
+        "",
         markdown_table(["req/s", "real out tok/s", "sim out tok/s", "error", "real TTFT p50 ms", "sim TTFT p50 ms",
                         "error", "real TPOT p50 ms", "sim TPOT p50 ms"], validation), "",
         f"GPU scale: OPT-13B (fp16) on one A100-80GB, {args.gpu_requests} requests at once (prompt 512, outputs "
         "16-1536 heavy-tailed, median 128), max_num_batched_tokens 8192:", "",
         markdown_table(["batching", "max_num_seqs", "output tok/s", "vs static", "E2E p50 s", "preemptions"],
                        batching), "",
+        f"Llama-3-8B (bf16) on one H100-SXM, `mixed`, arrivals spanning at least {args.duration:g} s per point, "
+        f"SLOs TTFT <= {questions.slo_ttft:g} s and TPOT <= {questions.slo_tpot * 1e3:g} ms "
+        f"(`tokenmill sim sweep --model llama-3-8b --hardware h100-sxm --sweep request-rate ...`). "
+        f"Goodput knee (90% of requests within the SLOs): **{questions.knee} req/s**. "
+        "Plot: docs/plots/sim_rates.png.", "",
+        markdown_table(["req/s offered", *SWEEP_HEADER[1:]], questions.rates), "",
+        "The same at 80 req/s, varying max_num_batched_tokens:", "",
+        markdown_table(["max_num_batched_tokens", *SWEEP_HEADER[1:]], questions.budgets), "",
+        f"Capacity (`tokenmill sim capacity --target-rate 400 ...`): **{answer.replicas} replicas** of Llama-3-8B "
+        f"on one H100 each serve 400 req/s of `mixed` with 90% of requests within the SLOs (tried: "
+        + ", ".join(f"{n}: {share:.0%}" for n, share in answer.tried)
+        + "). Requests are spread evenly (each replica sees a Poisson stream at its share); prefix affinity is "
+        "not modelled.", "",
         "A simulated day: Llama-3-8B on one H100-SXM, `mixed` at a steady Poisson rate:", "",
         markdown_table(["requests", "req/s", "simulated hours", "wall s", "simulated requests per wall s",
                         "output tok/s", "TTFT p50 ms", "TPOT p50 ms"], [day]),

@@ -11,12 +11,14 @@ from tokenmill.bench.loadgen import arrival_times
 from tokenmill.bench.workloads import WorkItem
 from tokenmill.config import EngineConfig
 from tokenmill.executor.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.sim import specs
 from tokenmill.sim.calibrate import trace
 from tokenmill.sim.cost_model import StepShape, step_seconds
 from tokenmill.sim.executor import kv_blocks_for
 from tokenmill.sim.questions import capacity, goodput_knee, steady_workload, sweep
 from tokenmill.sim.simulator import Simulation
+from tokenmill.sim.trace import StepTraceWriter, read_step_trace
 
 LLAMA8B, H100 = specs.model("llama-3-8b"), specs.hardware("h100-sxm")
 
@@ -126,3 +128,22 @@ def test_calibration_trace_times_every_model_step_of_a_real_run(loaded_model, to
     assert sum(s.shape.num_tokens for s in steps) == sum(len(i.prompt_token_ids) + i.max_tokens - 1 for i in items)
     assert max(s.shape.num_tokens for s in steps) <= 64  # the token budget chunked the longer prompt
     assert all(0 < s.model_seconds <= s.step_seconds for s in steps)
+
+
+def test_step_trace_records_each_model_step_for_calibration(llm, tmp_path) -> None:  # noqa: ANN001
+    """What `tokenmill serve --step-trace` writes reads back as the steps the engine ran."""
+    engine = llm.engine
+    writer = StepTraceWriter(tmp_path / "trace.jsonl")
+    prompt = llm.tokenizer.encode("Write one sentence about rivers and valleys, please.")
+    engine.add_request("traced", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=5, ignore_eos=True,
+                                                                              temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert engine.core.last_step is not None
+        writer.on_step(engine.core.last_step)
+    writer.close()
+    steps = read_step_trace(tmp_path / "trace.jsonl")
+    assert sum(shape.num_tokens for shape, _ in steps) == len(prompt) + 4  # the last token is never fed back
+    assert steps[0][0].sequences[0][1] == 0 and all(seconds > 0 for _, seconds in steps)
+    assert [shape.sequences[0][1] for shape, _ in steps[-4:]] == list(range(len(prompt), len(prompt) + 4))
+    assert read_step_trace(tmp_path / "trace.jsonl", skip=2) == steps[2:]

@@ -110,6 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout, enable_log_requests=args.enable_log_requests,
         disable_log_stats=args.disable_log_stats, disable_access_log=args.disable_uvicorn_access_log,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        step_trace=args.step_trace,
     )
     return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
                       log_level=args.log_level)
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--enable-log-requests", action="store_true", help="log each request's start and end")
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line in the log")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true")
+    serve.add_argument("--step-trace", default=None, metavar="FILE",
+                       help="append one JSON line per model step (its time and shape) for tokenmill sim calibrate")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto": parse tool calls the model writes (needs --tool-call-parser)')
     serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,

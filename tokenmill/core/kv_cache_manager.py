@@ -30,6 +30,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # the same, as ids (every step's plan copies them)
         self._num_hashed: dict[str, int] = {}  # leading blocks of each request already in the cache index
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
@@ -46,7 +47,7 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        return list(self._block_ids.get(request_id, ()))
 
     def num_allocated_blocks(self, request_id: str) -> int:
         return len(self.req_blocks.get(request_id, ()))
@@ -99,6 +100,7 @@ class KVCacheManager:
         blocks.extend(hit_blocks)
         new_blocks = self.pool.allocate(to_allocate)
         blocks.extend(new_blocks)
+        self._block_ids.setdefault(request.request_id, []).extend(b.block_id for b in hit_blocks + new_blocks)
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
@@ -127,8 +129,10 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, [])
+        self._block_ids.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
         self.pool.release(reversed(blocks))  # tail blocks become the first to be evicted
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.req_blocks)
+        assert self._block_ids == {r: [b.block_id for b in blocks] for r, blocks in self.req_blocks.items()}

@@ -78,6 +78,9 @@ class Scheduler:
         self._finished_since_plan: list[str] = []
         self._outputs_since_plan: list[EngineCoreOutput] = []  # requests the core ended outside a step's update
         self.compiling: list[Request] = []  # waiting requests whose grammar is not compiled yet
+        # structured requests not yet admitted whose compilation has not been seen to succeed (arrival order):
+        # the only ones a step must look at, however long the waiting queue
+        self._unsettled: dict[str, Request] = {}
         self.total_preemptions = 0
         self.total_spec_drafts = 0
         self.total_spec_draft_tokens = 0
@@ -95,6 +98,7 @@ class Scheduler:
             if self.structured_output is None:
                 raise ValueError("structured outputs are not available in this engine")
             request.structured = self.structured_output.start(constraint)
+            self._unsettled[request.request_id] = request
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -211,15 +215,19 @@ class Scheduler:
         return self._build_plan(num_scheduled, padding, preempted)
 
     def _set_aside_compiling(self) -> None:
-        """Take out of the waiting queue, in one pass, the requests whose grammar is still compiling (kept in
-        `compiling`, put back after admission) and those whose compilation failed (aborted)."""
+        """Take out of the waiting queue the requests whose grammar is still compiling (kept in `compiling`, put
+        back after admission) and those whose compilation failed (aborted)."""
         self.compiling = []
         failed = []
-        for request in self.waiting:
-            if request.structured is not None:
-                if not request.structured.ready:
-                    self.compiling.append(request)
-                elif request.structured.failure:
+        for request_id, request in list(self._unsettled.items()):
+            assert request.structured is not None
+            if request.status != RequestStatus.WAITING:  # aborted before its grammar was ready
+                del self._unsettled[request_id]
+            elif not request.structured.ready:
+                self.compiling.append(request)
+            else:
+                del self._unsettled[request_id]
+                if request.structured.failure:
                     failed.append(request)
         for request in self.compiling + failed:
             self.waiting.remove(request)

@@ -28,6 +28,7 @@ class StepRecord:
     step: int
     seconds: float
     stats: SchedulerStats
+    plan: SchedulerOutput | None = None  # what the step ran (read by step traces)
 
 
 class ModelStepError(RuntimeError):
@@ -82,7 +83,7 @@ class EngineCore:
             self.proposer.propose(self.scheduler.running)
         # queue and memory state as the step leaves it (finished requests are gone)
         stats.num_running, stats.num_waiting, stats.kv_usage = self.current_state()
-        self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats)
+        self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats, plan)
         return outputs
 
     def fail_step(self, plan: SchedulerOutput) -> list[str]:

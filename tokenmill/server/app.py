@@ -58,6 +58,7 @@ class ServerOptions:
     # tool_choice "auto": parse the model's own tool calls (vLLM's flags; the parser reads Hermes blocks)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    step_trace: str | None = None  # a file for one JSON line per model step (tokenmill sim calibrate reads it)
 
 
 class APIError(Exception):
@@ -140,6 +141,10 @@ def build_app(engine: LLMEngine, options: ServerOptions | None = None, state: Se
     metrics = EngineMetrics(model_name)
     llm.step_listeners.append(metrics.on_step)
     llm.state_listeners.append(metrics.set_idle)
+    if options.step_trace:
+        from tokenmill.sim.trace import StepTraceWriter
+
+        llm.step_listeners.append(StepTraceWriter(options.step_trace).on_step)
     stat_logger = LoggingStatLogger()
     if not options.disable_log_stats:
         llm.step_listeners.append(stat_logger.on_step)

@@ -26,6 +26,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.sim import specs
 from tokenmill.sim.cost_model import StepShape, step_cost, step_seconds
 from tokenmill.sim.simulator import drive
+from tokenmill.sim.trace import read_step_trace
 
 # Plans: decode batches at several contexts, prompt chunks at several offsets, and the two mixed.
 DECODES = [(batch, context) for batch in (1, 2, 4, 8, 16, 32, 64) for context in (32, 256, 1024)]
@@ -97,11 +98,12 @@ def trace(runner: ModelRunner, num_kv_blocks: int, config: EngineConfig, items: 
 class Calibration:
     profile: specs.HardwareProfile
     grid_error: float  # median |predicted - measured| / measured model time, held-out grid plans
-    trace_error: float  # the same for whole engine steps, held-out steps of the traced workload
+    trace_error: float  # the same for whole engine steps, held-out steps of the traced workload or server
     fit_error: float  # the same over everything fitted
     rows: list[tuple[str, float, float]]  # (plan, measured s, predicted s) of the held-out grid plans
     num_grid: int
-    num_trace: int
+    num_trace: int  # whole steps the time around the model was fitted to
+    slowdown: float  # the model's time in those steps over its time alone
 
 
 def describe(shape: StepShape) -> str:
@@ -140,10 +142,10 @@ def time_grid(runner: ModelRunner, shapes: list[StepShape], block_size: int, rep
 
 
 def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace_requests: int = 60,
-              trace_rate: float = 2.0) -> Calibration:
+              trace_rate: float = 2.0, step_trace: list[tuple[StepShape, float]] | None = None) -> Calibration:
     """Fit the model's time on a grid of synthetic plans and on the steps of a real workload (`mixed` at
-    `trace_rate` through the engine core), and the engine's own time per step (scheduling, bookkeeping) on
-    that workload; a quarter of each is held out to measure the error."""
+    `trace_rate` through the engine core), and the time around the model on whole steps: that workload's, or a
+    server's `step_trace` when given (`tokenmill serve --step-trace`). A quarter of each is held out."""
     loaded = load_model(None)
     tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
     model = specs.model("smollm2-135m")
@@ -172,31 +174,51 @@ def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace
     weights = 1.0 / model_seconds
     weights[:len(grid)] *= max(1.0, math.sqrt(len(traced) / len(grid)))
     coef = nonnegative_lstsq(features[fit], model_seconds[fit], weights[fit])
-    # the engine's own time around the model call: per step, per sequence, per token
-    fit_trace = [i - len(grid) for i in fit if i >= len(grid)]
-    engine = nonnegative_lstsq(
-        np.array([[1.0, len(traced[i].shape.sequences), traced[i].shape.num_tokens] for i in fit_trace]),
-        np.array([traced[i].step_seconds - traced[i].model_seconds for i in fit_trace]), np.ones(len(fit_trace)))
     efficiency = [1.0 / c if c > 0 else 1e9 for c in coef[2:]]  # a term the fit dropped costs nothing
     model_profile = specs.HardwareProfile(
         name=f"cpu-{runner.quantization}", peak_flops=peak, memory_bandwidth=bandwidth, memory_bytes=0.0,
         flops_efficiency=efficiency[0], bandwidth_efficiency=efficiency[1], kv_read_efficiency=efficiency[2],
         step_overhead_s=float(coef[0]), per_sequence_s=float(coef[1]), weight_bytes=weight_bytes, kv_bytes=4.0,
         combine="sum")
-    profile = dataclasses.replace(model_profile, step_overhead_s=float(coef[0] + engine[0]),
-                                  per_sequence_s=float(coef[1] + engine[1]), per_token_s=float(engine[2]))
 
-    def error(i: int) -> float:
-        if i < len(grid):  # a grid plan was timed without the engine around it
-            return abs(step_seconds(shapes[i], model, model_profile) - grid_seconds[i]) / grid_seconds[i]
-        step = traced[i - len(grid)]
-        return abs(step_seconds(step.shape, model, profile) - step.step_seconds) / step.step_seconds
+    # Whole steps against the model's predicted time: the engine's own time around the model call (scheduling,
+    # bookkeeping: per step, sequence and token) and, in a server's trace, the share of the cores its other
+    # threads take from the model (a slowdown factor).
+    if step_trace is None:
+        steps = [(t.shape, t.step_seconds) for t in traced]
+        held_steps = {i - len(grid) for i in held_trace}
+    else:
+        steps = step_trace
+        held_steps = set(rng.choice(len(steps), size=len(steps) // 4, replace=False).tolist())
+    fit_steps = [i for i in range(len(steps)) if i not in held_steps]
+    whole = np.array([seconds for _, seconds in steps])
+    around = np.array([[1.0, len(shape.sequences), shape.num_tokens, step_seconds(shape, model, model_profile)]
+                       for shape, _ in steps])
+    a, b, c, slowdown = nonnegative_lstsq(around[fit_steps], whole[fit_steps], 1.0 / whole[fit_steps])
+    if slowdown == 0:  # the model's own time cannot be dropped: fit only what surrounds it
+        slowdown = 1.0
+        a, b, c = nonnegative_lstsq(around[fit_steps, :3], whole[fit_steps] - around[fit_steps, 3],
+                                    1.0 / whole[fit_steps])
+    profile = dataclasses.replace(
+        model_profile, flops_efficiency=model_profile.flops_efficiency / slowdown,
+        bandwidth_efficiency=model_profile.bandwidth_efficiency / slowdown,
+        kv_read_efficiency=efficiency[2] / slowdown, step_overhead_s=float(slowdown * coef[0] + a),
+        per_sequence_s=float(slowdown * coef[1] + b), per_token_s=float(c))
+
+    def grid_error(i: int) -> float:  # a grid plan was timed without the engine around it
+        return abs(step_seconds(grid[i], model, model_profile) - grid_seconds[i]) / grid_seconds[i]
+
+    def step_error(i: int) -> float:
+        shape, seconds = steps[i]
+        return abs(step_seconds(shape, model, profile) - seconds) / seconds
 
     return Calibration(
-        profile, float(np.median([error(i) for i in held_grid])), float(np.median([error(i) for i in held_trace])),
-        float(np.median([error(i) for i in fit])),
+        profile, float(np.median([grid_error(i) for i in held_grid])),
+        float(np.median([step_error(i) for i in held_steps])),
+        float(np.median([grid_error(i) for i in range(len(grid)) if i not in held_grid]
+                        + [step_error(i) for i in fit_steps])),
         [(describe(grid[i]), grid_seconds[i], step_seconds(grid[i], model, model_profile))
-         for i in sorted(held_grid)], len(grid), len(traced))
+         for i in sorted(held_grid)], len(grid), len(steps), float(slowdown))
 
 
 def describe_profile(p: specs.HardwareProfile) -> str:
@@ -214,13 +236,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "bf16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", default="cpu-profile.json", help="where the hardware profile goes")
+    parser.add_argument("--step-trace", default=None, metavar="FILE",
+                        help="fit the time around the model to a server's steps (tokenmill serve --step-trace) "
+                             "rather than to an in-process run's")
 
 
 def main(args: argparse.Namespace) -> int:
-    result = calibrate(args.quantization, args.repeats)
+    trace_steps = read_step_trace(args.step_trace) if args.step_trace else None
+    result = calibrate(args.quantization, args.repeats, step_trace=trace_steps)
     result.profile.save(args.output)
     p = result.profile
-    print(f"{result.num_grid} grid plans and {result.num_trace} steps of a real workload timed")
+    print(f"{result.num_grid} grid plans and {result.num_trace} whole steps "
+          f"({args.step_trace or 'an in-process run'}) fitted; the model ran {result.slowdown:.2f}x slower there")
     print(describe_profile(p))
     print(f"median error held out: {result.grid_error:.1%} on grid plans (model time), {result.trace_error:.1%} "
           f"on the workload's steps (whole step); {result.fit_error:.1%} on what was fitted")
