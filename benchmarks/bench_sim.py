@@ -31,6 +31,7 @@ from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.sim import specs
 from tokenmill.sim.calibrate import Calibration, calibrate, describe_profile
 from tokenmill.sim.cli import SWEEP_HEADER, plot_sweep, sweep_rows
+from tokenmill.sim.cost_model import step_seconds
 from tokenmill.sim.questions import Capacity, capacity, goodput_knee, steady_workload, sweep
 from tokenmill.sim.simulator import Simulation
 from tokenmill.sim.trace import read_step_trace
@@ -63,17 +64,26 @@ def calibrate_and_validate(quantization: str, rates: list[float], num_requests: 
         cal = calibrate(quantization, step_trace=read_step_trace(trace_path, skip))
         print(describe_profile(cal.profile))
         print(f"held-out error: grid {cal.grid_error:.1%}, server steps {cal.trace_error:.1%}", flush=True)
-        simulation = Simulation(specs.model("smollm2-135m"), cal.profile, EngineConfig(), max_model_len=8192)
+        smollm = specs.model("smollm2-135m")
+        simulation = Simulation(smollm, cal.profile, EngineConfig(), max_model_len=8192)
         for i, rate in enumerate(rates):
             items = workloads.mixed(tokenizer, num_requests, seed=10 + i)
+            before = len(trace_path.read_text().splitlines())
             results, duration = asyncio.run(run_load(server.url, MODEL, items, rate, None, 0))
+            time.sleep(0.5)
             real = summarize(results, duration)
             sim = simulation.run(items, arrival_times(items, rate, 0)).summary
+            # the same steps the server took, predicted: apart from the scheduling dynamics, how well the profile
+            # fits this run (the machine's speed drifts between runs on a shared host)
+            served = read_step_trace(trace_path, before)
+            steps_ratio = sum(step_seconds(shape, smollm, cal.profile) for shape, _ in served) / sum(
+                seconds for _, seconds in served)
             rows.append([rate, round(real["output_throughput"], 1), round(sim["output_throughput"], 1),
                          pct(sim["output_throughput"], real["output_throughput"]),
                          round(real["ttft_s"]["p50"] * 1e3), round(sim["ttft_s"]["p50"] * 1e3),
                          pct(sim["ttft_s"]["p50"], real["ttft_s"]["p50"]),
-                         round(real["tpot_s"]["p50"] * 1e3, 1), round(sim["tpot_s"]["p50"] * 1e3, 1)])
+                         round(real["tpot_s"]["p50"] * 1e3, 1), round(sim["tpot_s"]["p50"] * 1e3, 1),
+                         f"{steps_ratio - 1:+.0%}"])
             print(rows[-1], flush=True)
     return cal, rows
 
@@ -143,7 +153,7 @@ def simulated_day(tokenizer: Tokenizer, num_requests: int, rate: float) -> list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quantization", default="auto")
-    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0])
+    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 1.5, 2.0])
     parser.add_argument("--num-requests", type=int, default=80)
     parser.add_argument("--gpu-requests", type=int, default=1000)
     parser.add_argument("--day-requests", type=int, default=100_000)
@@ -166,12 +176,11 @@ def main() -> None:
         "## Simulator (`python benchmarks/bench_sim.py`)", "",
         f"Machine: {machine_description()}.", "",
         f"Calibration (`tokenmill sim calibrate --quantization {args.quantization}`, profile in "
-        f"docs/cpu-profile.json, `--step-trace` of the server below): the model's time on {cal.num_grid} synthetic "
-        "plans (decode batches 1-64 at contexts 32-1024, prompt chunks 16-512, mixes) and on the steps of an "
-        f"in-process `mixed` run at 2 req/s; the time around the model on the {cal.num_trace} steps the server "
-        f"took for 60 `mixed` requests at 2 req/s (there the model ran {cal.slowdown:.2f}x slower than alone: the "
-        "server's threads and the load generator share the 2 cores). A quarter of each held out. Fitted: "
-        f"{describe_profile(cal.profile)}.", "",
+        f"docs/cpu-profile.json, `--step-trace` of the server below): {cal.num_grid} synthetic plans (decode "
+        "batches 1-64 at contexts 32-1024, prompt chunks 16-512, mixes; the model's time) and the "
+        f"{cal.num_trace} steps the server took for 60 `mixed` requests at 2 req/s (each step from its start to "
+        "the next one's: the server's threads and the load generator share the 2 cores with the model). A "
+        f"quarter of each held out. Fitted: {describe_profile(cal.profile)}.", "",
         f"Median step-time error: **{cal.grid_error:.1%} on held-out grid plans** (model time) and "
         f"**{cal.trace_error:.1%} on held-out server steps** (the whole engine step); "
         f"{cal.fit_error:.1%} on what was fitted.", "",
@@ -182,11 +191,26 @@ def main() -> None:
         "default wait policy as in the calibration) and simulated with the same settings, arrivals and lengths:",
         "",
         markdown_table(["req/s", "real out tok/s", "sim out tok/s", "error", "real TTFT p50 ms", "sim TTFT p50 ms",
-                        "error", "real TPOT p50 ms", "sim TPOT p50 ms"], validation), "",
+                        "error", "real TPOT p50 ms", "sim TPOT p50 ms", "the run's own steps, predicted"],
+                       validation), "",
+        "The last column predicts the very steps the server took in that run (shapes from its step trace) and "
+        "compares their sum with the time they took: it separates the profile's error from the scheduling "
+        "dynamics, and shows how much the machine's speed drifted from the calibration run. Near this machine's "
+        "knee (about 2 req/s of `mixed`, where prefill alone takes most of the cores) a few percent of speed "
+        "moves the queueing, and with it the TTFT, by tens of percent: the simulator is a sizing tool for the "
+        "region below the knee and for where the knee lies, not a predictor of queue lengths past it.", "",
         f"GPU scale: OPT-13B (fp16) on one A100-80GB, {args.gpu_requests} requests at once (prompt 512, outputs "
         "16-1536 heavy-tailed, median 128), max_num_batched_tokens 8192:", "",
         markdown_table(["batching", "max_num_seqs", "output tok/s", "vs static", "E2E p50 s", "preemptions"],
                        batching), "",
+        "Anyscale measured OPT-13B on one A100-40GB (their blog, 2023): continuous batching (Ray Serve, TGI) "
+        "about 8x and vLLM 23x the throughput of Hugging Face pipelines' static batching, and about 4x that of "
+        "FasterTransformer's optimized static batching. The simulator runs the same step cost model for every "
+        "mode, so its multiples are scheduling alone: 3.4x at the same 16-sequence cap (static batches idle "
+        "behind their longest output; dynamic only adds a wait for the batch to fill), 6.1x when the memory "
+        "lets 256 sequences run (with preemptions). That is the shape of the kernel-matched comparison "
+        "(FasterTransformer, 4x); the 8x-23x also contain slower kernels and memory lost to padding in the "
+        "baselines, which this model does not have.", "",
         f"Llama-3-8B (bf16) on one H100-SXM, `mixed`, arrivals spanning at least {args.duration:g} s per point, "
         f"SLOs TTFT <= {questions.slo_ttft:g} s and TPOT <= {questions.slo_tpot * 1e3:g} ms "
         f"(`tokenmill sim sweep --model llama-3-8b --hardware h100-sxm --sweep request-rate ...`). "

@@ -29,6 +29,7 @@ class StepRecord:
     seconds: float
     stats: SchedulerStats
     plan: SchedulerOutput | None = None  # what the step ran (read by step traces)
+    started: float = 0.0  # time.perf_counter() at its start
 
 
 class ModelStepError(RuntimeError):
@@ -83,7 +84,7 @@ class EngineCore:
             self.proposer.propose(self.scheduler.running)
         # queue and memory state as the step leaves it (finished requests are gone)
         stats.num_running, stats.num_waiting, stats.kv_usage = self.current_state()
-        self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats, plan)
+        self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats, plan, start)
         return outputs
 
     def fail_step(self, plan: SchedulerOutput) -> list[str]:

@@ -102,8 +102,8 @@ class Calibration:
     fit_error: float  # the same over everything fitted
     rows: list[tuple[str, float, float]]  # (plan, measured s, predicted s) of the held-out grid plans
     num_grid: int
-    num_trace: int  # whole steps the time around the model was fitted to
-    slowdown: float  # the model's time in those steps over its time alone
+    num_trace: int  # whole engine steps fitted and checked
+    trace_source: str  # "server" (a step trace) or "in-process"
 
 
 def describe(shape: StepShape) -> str:
@@ -143,11 +143,10 @@ def time_grid(runner: ModelRunner, shapes: list[StepShape], block_size: int, rep
 
 def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace_requests: int = 60,
               trace_rate: float = 2.0, step_trace: list[tuple[StepShape, float]] | None = None) -> Calibration:
-    """Fit the model's time on a grid of synthetic plans and on the steps of a real workload (`mixed` at
-    `trace_rate` through the engine core), and the time around the model on whole steps: that workload's, or a
-    server's `step_trace` when given (`tokenmill serve --step-trace`). A quarter of each is held out."""
+    """Fit the profile to the model's time on a grid of synthetic plans (the extremes) and to whole engine steps
+    as a server takes them: a server's `step_trace` when given (`tokenmill serve --step-trace`), else the steps
+    of `mixed` at `trace_rate` through the engine core in this process. A quarter of each is held out."""
     loaded = load_model(None)
-    tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
     model = specs.model("smollm2-135m")
     grid = plan_shapes()
     config = EngineConfig(quantization=quantization)
@@ -155,78 +154,56 @@ def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace
     runner = ModelRunner(dataclasses.replace(config, num_kv_blocks=max(serving_blocks, blocks_needed(
         grid, config.block_size))), loaded.config, loaded.weights)
     grid_seconds = time_grid(runner, grid, config.block_size, repeats)
-    traced = trace(runner, serving_blocks, config, workloads.mixed(tokenizer, trace_requests, seed=seed + 1),
-                   trace_rate, seed + 1)
+    if step_trace is None:
+        tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
+        items = workloads.mixed(tokenizer, trace_requests, seed=seed + 1)
+        step_trace = [(t.shape, t.step_seconds) for t in trace(runner, serving_blocks, config, items, trace_rate,
+                                                                  seed + 1)]
+        source = "in-process"
+    else:
+        source = "server"
 
     weight_bytes = {"int8": 1.0, "bf16": 2.0}.get(runner.quantization, 4.0)
     peak = gemm_gflops(runner.quantization) * 1e9
     bandwidth = memory_bandwidth_gbs() * 1e9
-    shapes = grid + [t.shape for t in traced]
-    model_seconds = np.array(grid_seconds + [t.model_seconds for t in traced])
+    shapes = grid + [shape for shape, _ in step_trace]
+    measured = np.array(grid_seconds + [seconds for _, seconds in step_trace])
+    # per step, per sequence (the engine's own time: scheduling, bookkeeping, handing outputs over), then the
+    # model's arithmetic, its weights and activations, and the attention's KV reads
     features = np.array([[1.0, len(s.sequences), c.flops / peak, c.bytes / bandwidth, c.kv_read_bytes / bandwidth]
                          for s in shapes for c in [step_cost(s, model, weight_bytes, 4.0)]])
     rng = np.random.default_rng(seed)
     held_grid = set(rng.choice(len(grid), size=len(grid) // 4, replace=False).tolist())
-    held_trace = {len(grid) + i for i in rng.choice(len(traced), size=len(traced) // 4, replace=False).tolist()}
-    fit = np.array([i for i in range(len(shapes)) if i not in held_grid | held_trace])
-    # relative errors (every step weighs the same whatever its size); the grid covers the extremes the workload
-    # rarely reaches, and weighs more than its share
-    weights = 1.0 / model_seconds
-    weights[:len(grid)] *= max(1.0, math.sqrt(len(traced) / len(grid)))
-    coef = nonnegative_lstsq(features[fit], model_seconds[fit], weights[fit])
+    held_steps = {len(grid) + i for i in rng.choice(len(step_trace), size=len(step_trace) // 4,
+                                                    replace=False).tolist()}
+    fit = [i for i in range(len(shapes)) if i not in held_grid | held_steps]
+    # Relative errors, but a step weighs more the longer it is (by the square root): the many short decode steps
+    # must not drown the few long prefill steps that make the TTFT. The grid covers the extremes a workload
+    # rarely reaches and weighs more than its share.
+    weights = 1.0 / np.sqrt(measured)
+    weights[:len(grid)] *= max(1.0, math.sqrt(len(step_trace) / len(grid)))
+    coef = nonnegative_lstsq(features[fit], measured[fit], weights[fit])
     efficiency = [1.0 / c if c > 0 else 1e9 for c in coef[2:]]  # a term the fit dropped costs nothing
-    model_profile = specs.HardwareProfile(
+    profile = specs.HardwareProfile(
         name=f"cpu-{runner.quantization}", peak_flops=peak, memory_bandwidth=bandwidth, memory_bytes=0.0,
         flops_efficiency=efficiency[0], bandwidth_efficiency=efficiency[1], kv_read_efficiency=efficiency[2],
         step_overhead_s=float(coef[0]), per_sequence_s=float(coef[1]), weight_bytes=weight_bytes, kv_bytes=4.0,
         combine="sum")
-
-    # Whole steps against the model's predicted time: the engine's own time around the model call (scheduling,
-    # bookkeeping: per step, sequence and token) and, in a server's trace, the share of the cores its other
-    # threads take from the model (a slowdown factor).
-    if step_trace is None:
-        steps = [(t.shape, t.step_seconds) for t in traced]
-        held_steps = {i - len(grid) for i in held_trace}
-    else:
-        steps = step_trace
-        held_steps = set(rng.choice(len(steps), size=len(steps) // 4, replace=False).tolist())
-    fit_steps = [i for i in range(len(steps)) if i not in held_steps]
-    whole = np.array([seconds for _, seconds in steps])
-    around = np.array([[1.0, len(shape.sequences), shape.num_tokens, step_seconds(shape, model, model_profile)]
-                       for shape, _ in steps])
-    a, b, c, slowdown = nonnegative_lstsq(around[fit_steps], whole[fit_steps], 1.0 / whole[fit_steps])
-    if slowdown == 0:  # the model's own time cannot be dropped: fit only what surrounds it
-        slowdown = 1.0
-        a, b, c = nonnegative_lstsq(around[fit_steps, :3], whole[fit_steps] - around[fit_steps, 3],
-                                    1.0 / whole[fit_steps])
-    profile = dataclasses.replace(
-        model_profile, flops_efficiency=model_profile.flops_efficiency / slowdown,
-        bandwidth_efficiency=model_profile.bandwidth_efficiency / slowdown,
-        kv_read_efficiency=efficiency[2] / slowdown, step_overhead_s=float(slowdown * coef[0] + a),
-        per_sequence_s=float(slowdown * coef[1] + b), per_token_s=float(c))
-
-    def grid_error(i: int) -> float:  # a grid plan was timed without the engine around it
-        return abs(step_seconds(grid[i], model, model_profile) - grid_seconds[i]) / grid_seconds[i]
-
-    def step_error(i: int) -> float:
-        shape, seconds = steps[i]
-        return abs(step_seconds(shape, model, profile) - seconds) / seconds
-
+    predicted = [step_seconds(shape, model, profile) for shape in shapes]
+    errors = np.abs(np.array(predicted) - measured) / measured
     return Calibration(
-        profile, float(np.median([grid_error(i) for i in held_grid])),
-        float(np.median([step_error(i) for i in held_steps])),
-        float(np.median([grid_error(i) for i in range(len(grid)) if i not in held_grid]
-                        + [step_error(i) for i in fit_steps])),
-        [(describe(grid[i]), grid_seconds[i], step_seconds(grid[i], model, model_profile))
-         for i in sorted(held_grid)], len(grid), len(steps), float(slowdown))
+        profile, float(np.median(errors[sorted(held_grid)])), float(np.median(errors[sorted(held_steps)])),
+        float(np.median(errors[fit])),
+        [(describe(grid[i]), grid_seconds[i], predicted[i]) for i in sorted(held_grid)], len(grid), len(step_trace),
+        source)
 
 
 def describe_profile(p: specs.HardwareProfile) -> str:
     def share(efficiency: float | None) -> str:
         return "no fitted cost" if efficiency is None or efficiency >= 1e8 else f"{efficiency:.2f}"
 
-    return (f"{p.name}: {p.step_overhead_s * 1e3:.2f} ms per step + {p.per_sequence_s * 1e6:.0f} us per sequence "
-            f"+ {p.per_token_s * 1e6:.1f} us per token; compute at {share(p.flops_efficiency)} of "
+    return (f"{p.name}: {p.step_overhead_s * 1e3:.2f} ms per step + {p.per_sequence_s * 1e6:.0f} us per sequence; "
+            f"compute at {share(p.flops_efficiency)} of "
             f"{p.peak_flops / 1e9:.0f} GOP/s (measured GEMM), weights and activations at "
             f"{share(p.bandwidth_efficiency)} and the attention's KV reads at {share(p.kv_read_efficiency)} of "
             f"{p.memory_bandwidth / 1e9:.1f} GB/s (measured copy)")
@@ -246,11 +223,10 @@ def main(args: argparse.Namespace) -> int:
     result = calibrate(args.quantization, args.repeats, step_trace=trace_steps)
     result.profile.save(args.output)
     p = result.profile
-    print(f"{result.num_grid} grid plans and {result.num_trace} whole steps "
-          f"({args.step_trace or 'an in-process run'}) fitted; the model ran {result.slowdown:.2f}x slower there")
+    print(f"{result.num_grid} grid plans and {result.num_trace} whole engine steps ({result.trace_source}) timed")
     print(describe_profile(p))
     print(f"median error held out: {result.grid_error:.1%} on grid plans (model time), {result.trace_error:.1%} "
-          f"on the workload's steps (whole step); {result.fit_error:.1%} on what was fitted")
+          f"on {result.trace_source} steps (whole step); {result.fit_error:.1%} on what was fitted")
     for plan, measured, predicted in result.rows:
         print(f"  {plan}: measured {measured * 1e3:.2f} ms, predicted {predicted * 1e3:.2f} ms")
     print(f"wrote {args.output}")

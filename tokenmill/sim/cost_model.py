@@ -59,5 +59,4 @@ def step_seconds(shape: StepShape, model: ModelSpec, hw: HardwareProfile, tensor
     kv_efficiency = hw.kv_read_efficiency or hw.bandwidth_efficiency
     memory = (cost.bytes / hw.bandwidth_efficiency + cost.kv_read_bytes / kv_efficiency) / hw.memory_bandwidth
     work = max(compute, memory) if hw.combine == "max" else compute + memory
-    return (hw.step_overhead_s + hw.per_sequence_s * len(shape.sequences) + hw.per_token_s * shape.num_tokens
-            + work)
+    return hw.step_overhead_s + hw.per_sequence_s * len(shape.sequences) + work

@@ -52,9 +52,9 @@ MODELS = {m.name: m for m in [
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """One device (or this CPU). A step takes `step_overhead_s + per_sequence_s * sequences + per_token_s *
-    tokens` plus its arithmetic and memory time: on GPUs the larger of the two (they overlap: a roofline), on a
-    CPU calibrated with `combine="sum"` their sum."""
+    """One device (or this CPU). A step takes `step_overhead_s + per_sequence_s * sequences` plus its arithmetic
+    and memory time: on GPUs the larger of the two (they overlap: a roofline), on a CPU calibrated with
+    `combine="sum"` their sum."""
 
     name: str
     peak_flops: float  # dense 16-bit FLOP/s (int8 ops/s for an int8 CPU profile)
@@ -65,7 +65,6 @@ class HardwareProfile:
     kv_read_efficiency: float | None = None  # of the bandwidth, reading the KV cache; None: bandwidth_efficiency
     step_overhead_s: float = 0.002
     per_sequence_s: float = 2e-5
-    per_token_s: float = 0.0  # the engine's bookkeeping per scheduled token (calibrated CPU profiles)
     weight_bytes: float = 2.0  # bytes per weight as served (bf16: 2, int8: 1)
     kv_bytes: float = 2.0  # bytes per KV element
     combine: str = "max"  # "max": roofline; "sum": compute and memory do not overlap (fitted on a CPU)
