@@ -1,5 +1,6 @@
-"""`tokenmill sim calibrate`: time real model steps of the local engine over a grid of plans, fit the cost
-model's factors to them, check the fit on held-out plans, and save a hardware profile (JSON)."""
+"""`tokenmill sim calibrate`: time the local model runner over a grid of plans and take whole engine steps from a
+server's step trace (or an in-process run), fit the cost model's factors to both, check the fit on held-out
+plans and steps, and save a hardware profile (JSON)."""
 
 from __future__ import annotations
 
