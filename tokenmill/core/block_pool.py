@@ -9,6 +9,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
+
+# What the prefix-cache index did to a block hash, for whoever mirrors it (a cache-aware router): vLLM's KV
+# events, BlockStored and BlockRemoved.
+KVEvent = tuple[Literal["stored", "removed"], int]
 
 
 @dataclass(eq=False)
@@ -29,6 +34,7 @@ class BlockPool:
         # Insertion order = eviction order: the front is the least recently freed block.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}
+        self.events: list[KVEvent] | None = None  # set to a list to record index changes; the owner drains it
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,6 +85,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.append(("stored", block_hash))
 
     def uncache(self, block: KVBlock) -> None:
         """Drop a block from the cache index (it stays allocated to its owners)."""
@@ -88,6 +96,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(("removed", block.block_hash))
             block.block_hash = None
             block.token_ids = ()
 

@@ -8,14 +8,29 @@ reads it, so a request scheduled in the same step may already share them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.core.block_pool import BlockPool, KVBlock
 from tokenmill.request import Request
 
+# The parent of a sequence's first block. A constant, so that every process hashes a prefix alike and a router
+# can compute the engines' hashes (Python < 3.12 hashes None by address, different in each process).
+ROOT_HASH = 0
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def chain_block_hashes(token_ids: Sequence[int], block_size: int, hashes: list[int] | None = None) -> list[int]:
+    """The chained hashes of the full blocks of `token_ids`, extending `hashes` (those of its leading blocks)."""
+    hashes = [] if hashes is None else hashes
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
 
 
 @dataclass
@@ -53,12 +68,7 @@ class KVCacheManager:
         return len(self.req_blocks.get(request_id, ()))
 
     def _update_hashes(self, request: Request) -> None:
-        bs = self.block_size
-        hashes = request.block_hashes
-        tokens = request.all_token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
+        chain_block_hashes(request.all_token_ids, self.block_size, request.block_hashes)
 
     def find_cached_prefix(self, request: Request) -> PrefixHit:
         """Longest run of cached full blocks; at least one token is always left to compute."""
