@@ -28,10 +28,12 @@ from tokenmill.bench.stats import summarize
 from tokenmill.config import EngineConfig
 from tokenmill.model.loader import load_model
 from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.router.policy import ROUTERS
 from tokenmill.sim import specs
 from tokenmill.sim.calibrate import Calibration, calibrate, describe_profile
 from tokenmill.sim.cli import SWEEP_HEADER, plot_sweep, sweep_rows
 from tokenmill.sim.cost_model import step_seconds
+from tokenmill.sim.data_parallel import DataParallelSimulation
 from tokenmill.sim.questions import Capacity, capacity, goodput_knee, steady_workload, sweep
 from tokenmill.sim.simulator import Simulation
 from tokenmill.sim.trace import read_step_trace
@@ -135,6 +137,42 @@ def gpu_questions(tokenizer: Tokenizer, duration: float) -> GpuQuestions:
                         slo_tpot)
 
 
+def routing(tokenizer: Tokenizer, profile: specs.HardwareProfile) -> list[list[object]]:
+    """Issue 11's workload simulated: 8 long system prompts drawn at random, 2 replicas of this CPU's engine,
+    each router, with the default KV pool (every replica can hold all 8) and one holding about half of them."""
+    items = workloads.shared_prefix(tokenizer, 400, seed=4, num_prefixes=8)
+    arrivals = arrival_times(items, 3.0, 4)
+    rows: list[list[object]] = []
+    for blocks in (None, 260):
+        config = EngineConfig(num_kv_blocks=blocks)
+        for router in ROUTERS:
+            result = DataParallelSimulation(specs.model("smollm2-135m"), profile, config, 2, router).run(
+                items, arrivals)
+            pool = "default (1 GiB)" if blocks is None else f"{blocks} blocks"
+            rows.append([pool, router, f"{result.prefix_hit_rate:.1%}", round(result.summary["ttft_s"]["p50"] * 1e3),
+                         round(result.summary["ttft_s"]["p90"] * 1e3), round(result.summary["output_throughput"], 1),
+                         "/".join(map(str, result.requests_per_replica))])
+            print(rows[-1], flush=True)
+    return rows
+
+
+def routing_section(tokenizer: Tokenizer, profile: specs.HardwareProfile) -> str:
+    rows = routing(tokenizer, profile)
+    return "\n".join([
+        "## Simulated data-parallel routing (`python benchmarks/bench_sim.py --routing-only`)", "",
+        "`shared-prefix` with 8 system prompts of 768 tokens drawn at random (`--num-prefixes 8`), 400 "
+        "requests at 3 req/s, 16 output tokens, on 2 replicas of this CPU's calibrated engine "
+        "(docs/cpu-profile.json, fitted for an engine on both cores: a replica on one core would be slower, "
+        "which changes the load, not the routing), simulated with the real router policies "
+        "(`tokenmill sim run --data-parallel-size 2 --router ...`):", "",
+        markdown_table(["KV pool per replica", "router", "prefix hit rate", "TTFT p50 ms", "TTFT p90 ms",
+                        "output tok/s", "requests per replica"], rows), "",
+        "With a pool that holds every prompt on every replica, any router keeps the hits once each replica "
+        "has seen each prompt; when a replica can hold only about half of them, round-robin and least-load "
+        "make both replicas cycle all 8 through their pools, and only prefix-aware routing keeps the hits.",
+    ])
+
+
 def simulated_day(tokenizer: Tokenizer, num_requests: int, rate: float) -> list[object]:
     items = workloads.mixed(tokenizer, num_requests, seed=2)
     start = time.perf_counter()
@@ -161,10 +199,19 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="GPU sweeps: seconds of arrivals per point")
     parser.add_argument("--profile", default=str(ROOT / "docs" / "cpu-profile.json"))
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--routing-only", action="store_true",
+                        help="only the data-parallel routing simulation (deterministic: any machine state), "
+                             "with the saved profile; writes the sim_routing section")
     args = parser.parse_args()
     loaded = load_model(None)
     tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
     del loaded
+    if args.routing_only:
+        routing_body = routing_section(tokenizer, specs.HardwareProfile.load(args.profile))
+        if not args.no_write:
+            write_section("sim_routing", routing_body)
+            print("wrote docs/BENCHMARKS.md (sim_routing)")
+        return
     cal, validation = calibrate_and_validate(args.quantization, args.rates, args.num_requests, tokenizer,
                                              Path("/tmp/tokenmill-step-trace.jsonl"))
     cal.profile.save(args.profile)
@@ -228,9 +275,11 @@ def main() -> None:
         markdown_table(["requests", "req/s", "simulated hours", "wall s", "simulated requests per wall s",
                         "output tok/s", "TTFT p50 ms", "TPOT p50 ms"], [day]),
     ])
+    routing_body = routing_section(tokenizer, cal.profile)
     if not args.no_write:
         write_section("sim", body)
-        print("wrote docs/BENCHMARKS.md (sim)")
+        write_section("sim_routing", routing_body)
+        print("wrote docs/BENCHMARKS.md (sim, sim_routing)")
 
 
 if __name__ == "__main__":

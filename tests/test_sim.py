@@ -4,6 +4,7 @@ scheduler deterministically (with the expected continuous-vs-static shape)."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -15,6 +16,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.sim import specs
 from tokenmill.sim.calibrate import trace
 from tokenmill.sim.cost_model import StepShape, step_seconds
+from tokenmill.sim.data_parallel import DataParallelSimulation
 from tokenmill.sim.executor import kv_blocks_for
 from tokenmill.sim.questions import capacity, goodput_knee, steady_workload, sweep
 from tokenmill.sim.simulator import Simulation
@@ -147,3 +149,25 @@ def test_step_trace_records_each_model_step_for_calibration(llm, tmp_path) -> No
     assert steps[0][0].sequences[0][1] == 0 and all(seconds > 0 for _, seconds in steps)
     assert [shape.sequences[0][1] for shape, _ in steps[-4:]] == list(range(len(prompt), len(prompt) + 4))
     assert read_step_trace(tmp_path / "trace.jsonl", skip=2) == steps[2:]
+
+
+def test_data_parallel_simulation_prefix_aware_routing_keeps_the_cache_hits() -> None:
+    """Two replicas whose KV pools hold half of 8 long system prompts each: prefix-aware routing keeps each
+    prompt on one replica; round-robin makes both replicas cycle all 8 through their pools."""
+    rng = random.Random(0)
+    prefixes = [[1000 * (p + 1) + j for j in range(512)] for p in range(8)]
+    items = [WorkItem("", prefixes[rng.randrange(8)] + [rng.randrange(3, 900) for _ in range(20)], 8)
+             for _ in range(300)]
+    arrivals = arrival_times(items, 30.0, seed=0)
+    config = EngineConfig(num_kv_blocks=160, max_num_seqs=32, max_num_batched_tokens=2048)
+    runs = {router: DataParallelSimulation(LLAMA8B, specs.hardware("a100-80gb"), config, 2, router).run(
+        items, arrivals) for router in ("round-robin", "prefix-aware")}
+    for run in runs.values():
+        assert run.summary["completed"] == 300 and sum(run.requests_per_replica) == 300
+    aware, blind = runs["prefix-aware"], runs["round-robin"]
+    assert aware.prefix_hit_rate > blind.prefix_hit_rate + 0.2, (aware.prefix_hit_rate, blind.prefix_hit_rate)
+    assert aware.summary["ttft_s"]["p50"] < blind.summary["ttft_s"]["p50"]
+    assert aware.decisions["prefix"] > 250 and min(aware.requests_per_replica) > 60  # affinity, yet both used
+    again = DataParallelSimulation(LLAMA8B, specs.hardware("a100-80gb"), config, 2, "prefix-aware").run(
+        items, arrivals)
+    assert again.summary == aware.summary  # deterministic

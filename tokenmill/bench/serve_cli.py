@@ -34,6 +34,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=50)
     parser.add_argument("--max-prompt", type=int, default=512, help="mixed: longest prompt (tokens)")
     parser.add_argument("--max-output", type=int, default=512, help="mixed: longest output (tokens)")
+    parser.add_argument("--num-prefixes", type=int, default=1,
+                        help="shared-prefix: distinct preambles, taken in turn")
     parser.add_argument("--random-input-len", type=int, default=32, help="random: prompt tokens (vLLM's name)")
     parser.add_argument("--random-output-len", type=int, default=256, help="random: output tokens (vLLM's name)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate, req/s (inf: burst)")
@@ -50,7 +52,7 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> list[workl
         return workloads.random_lengths(tokenizer, args.num_requests, args.random_input_len, args.random_output_len,
                                         args.seed)
     if args.workload == "shared-prefix":
-        return workloads.shared_prefix(tokenizer, args.num_requests, args.seed)
+        return workloads.shared_prefix(tokenizer, args.num_requests, args.seed, num_prefixes=args.num_prefixes)
     if args.workload == "long-interference":
         return workloads.long_interference(tokenizer, args.seed)
     if not args.dataset:

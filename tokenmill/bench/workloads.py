@@ -81,12 +81,19 @@ def random_lengths(tokenizer: Tokenizer, num_requests: int, input_len: int, outp
 
 
 def shared_prefix(tokenizer: Tokenizer, num_requests: int, seed: int = 0, prefix_len: int = 768,
-                  question_range: tuple[int, int] = (12, 32), max_tokens: int = 16) -> list[WorkItem]:
-    """One long common preamble (a system prompt or document) + short distinct questions."""
+                  question_range: tuple[int, int] = (12, 32), max_tokens: int = 16,
+                  num_prefixes: int = 1) -> list[WorkItem]:
+    """Long common preambles (system prompts or documents) + short distinct questions; with several
+    preambles, each request draws one at random (interleaved, and no fixed rotation a round-robin router could
+    fall in step with)."""
     rng = random.Random(seed)
     source = _TokenSource(tokenizer)
-    preamble = source.take(rng, prefix_len)
-    return [source.item(rng, rng.randint(*question_range), max_tokens, prefix=preamble)
+    preambles = [source.take(rng, prefix_len) for _ in range(num_prefixes)]
+
+    def preamble() -> list[int]:
+        return preambles[rng.randrange(num_prefixes)] if num_prefixes > 1 else preambles[0]
+
+    return [source.item(rng, rng.randint(*question_range), max_tokens, prefix=preamble())
             for _ in range(num_requests)]
 
 

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from tokenmill.bench.loadgen import arrival_times
 from tokenmill.bench.report import markdown_table
 from tokenmill.bench.serve_cli import add_workload_args, build_workload, format_summary, results_json
+from tokenmill.bench.stats import RequestResult
+from tokenmill.bench.workloads import WorkItem
 from tokenmill.config import EngineConfig
 from tokenmill.model.loader import resolve_model_path
 from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.router.policy import ROUTERS
 from tokenmill.sim import specs
+from tokenmill.sim.data_parallel import DataParallelSimulation
 from tokenmill.sim.questions import SWEEPABLE, SweepPoint, Workload, capacity, goodput_knee, steady_workload, sweep
 from tokenmill.sim.simulator import Simulation
 
@@ -35,6 +40,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--policy", default=defaults.policy, choices=["fcfs", "priority"])
     g.add_argument("--batching", default=defaults.batching, choices=["continuous", "dynamic", "static"])
+    g.add_argument("--data-parallel-size", type=int, default=1, help="replicas, each with its own KV pool")
+    g.add_argument("--router", default="prefix-aware", choices=ROUTERS, help="with --data-parallel-size > 1")
     parser.add_argument("--output-json", default=None)
 
 
@@ -49,8 +56,10 @@ def simulation_from_args(args: argparse.Namespace) -> Simulation:
 
 
 def main(args: argparse.Namespace) -> int:
-    simulation = simulation_from_args(args)
     items = build_workload(args, Tokenizer.from_path(resolve_model_path(args.tokenizer)))
+    if args.data_parallel_size > 1:
+        return data_parallel_main(args, items)
+    simulation = simulation_from_args(args)
     result = simulation.run(items, arrival_times(items, args.request_rate, args.seed), args.slo_ttft, args.slo_tpot)
     print(f"simulated {args.model} on {args.tensor_parallel_size} x {simulation.hw.name}: "
           f"{simulation.num_kv_blocks} KV blocks of {args.block_size} tokens")
@@ -58,10 +67,29 @@ def main(args: argparse.Namespace) -> int:
     print(f"steps {result.num_steps}, preemptions {result.num_preemptions}, peak KV usage "
           f"{result.peak_kv_usage:.0%}; {len(result.results)} requests in {result.wall_seconds:.1f} wall s "
           f"({result.requests_per_wall_second:.0f} simulated requests per wall second)")
+    write_json(args, result.summary, result.results)
+    return 0
+
+
+def write_json(args: argparse.Namespace, summary: dict[str, Any], results: list[RequestResult]) -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"}, "summary": result.summary,
-                       "requests": results_json(result.results)}, f, indent=1, default=str)
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"}, "summary": summary,
+                       "requests": results_json(results)}, f, indent=1, default=str)
+
+
+def data_parallel_main(args: argparse.Namespace, items: list[WorkItem]) -> int:
+    base = simulation_from_args(args)
+    simulation = DataParallelSimulation(base.model, base.hw, base.config, args.data_parallel_size, args.router,
+                                        args.tensor_parallel_size, args.max_model_len)
+    result = simulation.run(items, arrival_times(items, args.request_rate, args.seed), args.slo_ttft, args.slo_tpot)
+    print(f"simulated {args.data_parallel_size} x {args.model} on {args.tensor_parallel_size} x {base.hw.name} "
+          f"each, router {args.router}: {simulation.num_kv_blocks} KV blocks of {args.block_size} tokens each")
+    print(format_summary(result.summary))
+    print(f"prefix cache hit rate {result.prefix_hit_rate:.1%}; requests per replica {result.requests_per_replica}; "
+          f"router decisions {dict(result.decisions)}; {len(result.results)} requests in "
+          f"{result.wall_seconds:.1f} wall s")
+    write_json(args, result.summary, result.results)
     return 0
 
 

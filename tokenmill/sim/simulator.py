@@ -101,11 +101,11 @@ def drive(core: EngineCore, items: Sequence[WorkItem], arrivals: Sequence[float]
         core.step()
         step_seconds.append(clock() - before)
         peak_kv = max(peak_kv, core.kv.usage())
-    results = [_result(r) for r in sorted(requests, key=lambda r: int(r.request_id))]
+    results = [request_result(r) for r in sorted(requests, key=lambda r: int(r.request_id))]
     return WorkloadRun(results, step_seconds, peak_kv)
 
 
-def _result(request: Request) -> RequestResult:
+def request_result(request: Request) -> RequestResult:
     times = request.times
     first, finished = times.first_token, times.finished
     return RequestResult(
