@@ -146,8 +146,8 @@ def routing(tokenizer: Tokenizer, profile: specs.HardwareProfile) -> list[list[o
     for blocks in (None, 260):
         config = EngineConfig(num_kv_blocks=blocks)
         for router in ROUTERS:
-            result = DataParallelSimulation(specs.model("smollm2-135m"), profile, config, 2, router).run(
-                items, arrivals)
+            replica = Simulation(specs.model("smollm2-135m"), profile, config)
+            result = DataParallelSimulation(replica, 2, router).run(items, arrivals)
             pool = "default (1 GiB)" if blocks is None else f"{blocks} blocks"
             rows.append([pool, router, f"{result.prefix_hit_rate:.1%}", round(result.summary["ttft_s"]["p50"] * 1e3),
                          round(result.summary["ttft_s"]["p90"] * 1e3), round(result.summary["output_throughput"], 1),

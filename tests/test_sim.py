@@ -160,14 +160,14 @@ def test_data_parallel_simulation_prefix_aware_routing_keeps_the_cache_hits() ->
              for _ in range(300)]
     arrivals = arrival_times(items, 30.0, seed=0)
     config = EngineConfig(num_kv_blocks=160, max_num_seqs=32, max_num_batched_tokens=2048)
-    runs = {router: DataParallelSimulation(LLAMA8B, specs.hardware("a100-80gb"), config, 2, router).run(
-        items, arrivals) for router in ("round-robin", "prefix-aware")}
+    replica = Simulation(LLAMA8B, specs.hardware("a100-80gb"), config)
+    runs = {router: DataParallelSimulation(replica, 2, router).run(items, arrivals)
+            for router in ("round-robin", "prefix-aware")}
     for run in runs.values():
         assert run.summary["completed"] == 300 and sum(run.requests_per_replica) == 300
     aware, blind = runs["prefix-aware"], runs["round-robin"]
     assert aware.prefix_hit_rate > blind.prefix_hit_rate + 0.2, (aware.prefix_hit_rate, blind.prefix_hit_rate)
     assert aware.summary["ttft_s"]["p50"] < blind.summary["ttft_s"]["p50"]
     assert aware.decisions["prefix"] > 250 and min(aware.requests_per_replica) > 60  # affinity, yet both used
-    again = DataParallelSimulation(LLAMA8B, specs.hardware("a100-80gb"), config, 2, "prefix-aware").run(
-        items, arrivals)
+    again = DataParallelSimulation(replica, 2, "prefix-aware").run(items, arrivals)
     assert again.summary == aware.summary  # deterministic

@@ -35,7 +35,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt", type=int, default=512, help="mixed: longest prompt (tokens)")
     parser.add_argument("--max-output", type=int, default=512, help="mixed: longest output (tokens)")
     parser.add_argument("--num-prefixes", type=int, default=1,
-                        help="shared-prefix: distinct preambles, taken in turn")
+                        help="shared-prefix: distinct preambles, one drawn at random per request")
     parser.add_argument("--random-input-len", type=int, default=32, help="random: prompt tokens (vLLM's name)")
     parser.add_argument("--random-output-len", type=int, default=256, help="random: output tokens (vLLM's name)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate, req/s (inf: burst)")

@@ -79,12 +79,11 @@ def write_json(args: argparse.Namespace, summary: dict[str, Any], results: list[
 
 
 def data_parallel_main(args: argparse.Namespace, items: list[WorkItem]) -> int:
-    base = simulation_from_args(args)
-    simulation = DataParallelSimulation(base.model, base.hw, base.config, args.data_parallel_size, args.router,
-                                        args.tensor_parallel_size, args.max_model_len)
+    replica = simulation_from_args(args)
+    simulation = DataParallelSimulation(replica, args.data_parallel_size, args.router)
     result = simulation.run(items, arrival_times(items, args.request_rate, args.seed), args.slo_ttft, args.slo_tpot)
-    print(f"simulated {args.data_parallel_size} x {args.model} on {args.tensor_parallel_size} x {base.hw.name} "
-          f"each, router {args.router}: {simulation.num_kv_blocks} KV blocks of {args.block_size} tokens each")
+    print(f"simulated {args.data_parallel_size} x {args.model} on {args.tensor_parallel_size} x {replica.hw.name} "
+          f"each, router {args.router}: {replica.num_kv_blocks} KV blocks of {args.block_size} tokens each")
     print(format_summary(result.summary))
     print(f"prefix cache hit rate {result.prefix_hit_rate:.1%}; requests per replica {result.requests_per_replica}; "
           f"router decisions {dict(result.decisions)}; {len(result.results)} requests in "

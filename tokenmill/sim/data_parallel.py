@@ -12,14 +12,12 @@ from typing import Any
 
 from tokenmill.bench.stats import RequestResult, summarize
 from tokenmill.bench.workloads import WorkItem
-from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.request import Request
 from tokenmill.router.policy import make_router
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.sim.executor import SimClock, SimExecutor, kv_blocks_for
-from tokenmill.sim.simulator import request_result
-from tokenmill.sim.specs import HardwareProfile, ModelSpec
+from tokenmill.sim.executor import SimClock, SimExecutor
+from tokenmill.sim.simulator import Simulation, request_result
 
 
 @dataclass
@@ -44,13 +42,9 @@ class _Replica:
 
 
 class DataParallelSimulation:
-    def __init__(self, model: ModelSpec, hw: HardwareProfile, config: EngineConfig, num_replicas: int,
-                 router: str = "prefix-aware", tensor_parallel: int = 1, max_model_len: int = 8192) -> None:
-        self.model, self.hw, self.config = model, hw, config
-        self.num_replicas, self.router_name = num_replicas, router
-        self.tensor_parallel, self.max_model_len = tensor_parallel, max_model_len
-        self.num_kv_blocks = config.num_kv_blocks or kv_blocks_for(
-            model, hw, config.block_size, tensor_parallel, kv_cache_memory_gb=config.kv_cache_memory_gb)
+    def __init__(self, replica: Simulation, num_replicas: int, router: str = "prefix-aware") -> None:
+        """`replica`: one replica's model, hardware, engine settings and KV pool, copied `num_replicas` times."""
+        self.replica, self.num_replicas, self.router_name = replica, num_replicas, router
 
     def run(self, items: Sequence[WorkItem], arrivals: Sequence[float], slo_ttft: float | None = None,
             slo_tpot: float | None = None) -> DataParallelResult:
@@ -61,11 +55,12 @@ class DataParallelSimulation:
         replicas = []
         for _ in range(self.num_replicas):
             clock = SimClock()
-            executor = SimExecutor(self.model, self.hw, clock, self.num_kv_blocks, self.tensor_parallel)
-            core = EngineCore(self.config, executor, self.max_model_len, clock)
+            setup = self.replica
+            executor = SimExecutor(setup.model, setup.hw, clock, setup.num_kv_blocks, setup.tensor_parallel)
+            core = EngineCore(setup.config, executor, setup.max_model_len, clock)
             core.kv.pool.events = []
             replicas.append(_Replica(core, clock))
-        router = make_router(self.router_name, self.num_replicas, self.config.block_size)
+        router = make_router(self.router_name, self.num_replicas, self.replica.config.block_size)
         decisions: Counter[str] = Counter()
         order = sorted(range(len(items)), key=lambda i: arrivals[i])
         requests: list[Request] = []
