@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.router.policy import ROUTERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout, enable_log_requests=args.enable_log_requests,
         disable_log_stats=args.disable_log_stats, disable_access_log=args.disable_uvicorn_access_log,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        step_trace=args.step_trace,
+        step_trace=args.step_trace, data_parallel_size=args.data_parallel_size, router=args.router,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
     return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
                       log_level=args.log_level)
@@ -150,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
                        help='tool_choice "auto": parse tool calls the model writes (needs --tool-call-parser)')
     serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
                        help="the format of the model's tool calls (hermes: <tool_call>{...}</tool_call>)")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine-core processes, each with its own model copy and KV cache; the CPUs are split "
+                            "between them")
+    serve.add_argument("--router", choices=ROUTERS, default="prefix-aware",
+                       help="which engine core gets a request when there are several")
+    serve.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                       help="mp: engine cores as local processes; ray: as Ray actors on a running Ray cluster "
+                            "(pip install 'tokenmill[ray]')")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -28,6 +28,24 @@ from tokenmill.structured_output.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
+def check_request_fits(request: Request, max_model_len: int, kv_capacity_tokens: int, static_batching: bool) -> None:
+    """Reject what can never run (ValueError); set the request's length limit."""
+    prompt_len = request.num_prompt_tokens
+    if prompt_len >= max_model_len:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens and leaves no room for a completion"
+        )
+    # A sequence can never outgrow the whole KV pool: that caps its length like the context limit does.
+    max_tokens = request.sampling_params.max_tokens
+    limit = min(max_model_len, kv_capacity_tokens)
+    if max_tokens is not None:
+        limit = min(limit, prompt_len + max_tokens)
+    if prompt_len >= kv_capacity_tokens or (static_batching and prompt_len + (max_tokens or 0) > kv_capacity_tokens):
+        raise ValueError(f"request needs more KV cache than the whole pool holds ({kv_capacity_tokens} tokens)")
+    request.max_total_tokens = limit
+
+
 @dataclass
 class EngineCoreOutput:
     """What one step did to one request: new tokens and, at the end, why it finished."""
@@ -104,21 +122,8 @@ class Scheduler:
 
     def check_request(self, request: Request) -> None:
         """Reject what can never run (ValueError); set the request's length limit. Safe from any thread."""
-        prompt_len = request.num_prompt_tokens
-        if prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{prompt_len} tokens and leaves no room for a completion"
-            )
-        # A sequence can never outgrow the whole KV pool: that caps its length like the context limit does.
-        capacity = self.kv.num_blocks * self.kv.block_size
-        max_tokens = request.sampling_params.max_tokens
-        limit = min(self.max_model_len, capacity)
-        if max_tokens is not None:
-            limit = min(limit, prompt_len + max_tokens)
-        if prompt_len >= capacity or (self.config.batching == "static" and prompt_len + (max_tokens or 0) > capacity):
-            raise ValueError(f"request needs more KV cache than the whole pool holds ({capacity} tokens)")
-        request.max_total_tokens = limit
+        check_request_fits(request, self.max_model_len, self.kv.num_blocks * self.kv.block_size,
+                           self.config.batching == "static")
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Abort in any state (a static batch's slot is released at once); returns the ids still unfinished."""

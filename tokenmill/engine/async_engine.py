@@ -1,27 +1,34 @@
-"""AsyncLLM: the engine core steps in a background thread; asyncio callers stream per-request outputs.
+"""AsyncLLM: the front end of the engine. Requests are validated and routed here; engine cores (replicas) step
+elsewhere, and asyncio callers stream per-request outputs.
 
-The thread runs only schedule -> execute -> update. Tokenization happens in the HTTP handlers and
-detokenization / stop strings in the event loop (the output processor), so neither stalls a model step, and a
-step never waits for a client: outputs are handed to the loop with `call_soon_threadsafe`. Requests enter and
-leave the core only through a command queue that the thread drains between steps.
+A replica is a thread of this process (`AsyncLLM.from_engine`) or its own process (`AsyncLLM.launch`, N of
+them for data parallelism, behind a router). Either way the front end only sends commands (add, abort,
+finish-by-stop-string) and reads reports (outputs, step stats, load, KV events): tokenization happens in the
+HTTP handlers and detokenization / stop strings in the event loop (the output processor), so neither stalls a
+model step, and a step never waits for a client. A replica that dies fails its in-flight requests, leaves the
+rotation and is relaunched; the others keep serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import threading
+import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tokenmill.core.scheduler import EngineCoreOutput
-from tokenmill.engine.core import ModelStepError, StepRecord
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core import StepRecord
+from tokenmill.engine.core_loop import CoreDeath, CoreReport
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.processor import InputProcessor, model_limits
+from tokenmill.engine.replica import Message, ProcessReplica, Replica, ReplicaExit, ThreadReplica, cpu_share
 from tokenmill.outputs import RequestOutput
-from tokenmill.request import Request, RequestStatus
+from tokenmill.request import Request
+from tokenmill.router.policy import Decision, Router, make_router
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.engine")
@@ -32,130 +39,231 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped for good (HTTP 503); a supervisor should restart the process."""
+    """No engine core can take the request (HTTP 503): it died, or is being restarted."""
 
 
 class EngineStepError(RuntimeError):
     """The model step this request was in raised; the request is failed (HTTP 500), the engine goes on."""
 
 
-# After this many model steps in a row have raised, the executor is taken to be broken: the engine dies.
-MAX_CONSECUTIVE_STEP_FAILURES = 3
+# A replica whose relaunch fails this many times in a row is given up.
+MAX_LAUNCH_ATTEMPTS = 3
+
+StepListener = Callable[[StepRecord, int], None]  # (record, replica)
+StateListener = Callable[[int, int, float, int], None]  # (running, waiting, KV usage, replica) when no step ran
+ReplicaListener = Callable[[Replica], None]  # a replica changed state
 
 
-StepListener = Callable[[StepRecord], None]
+class _Load:
+    """What the front end knows of a replica's queue: its last report plus the adds sent since."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.load_tokens = 0
+        self.unacked: deque[tuple[int, int, int]] = deque()  # (command seq, requests, tokens)
+
+    def acknowledge(self, acked: int, waiting: int, load_tokens: int) -> None:
+        while self.unacked and self.unacked[0][0] <= acked:
+            self.unacked.popleft()
+        self.waiting, self.load_tokens = waiting, load_tokens
+
+    def total_waiting(self) -> int:
+        return self.waiting + sum(n for _, n, _ in self.unacked)
+
+    def total_tokens(self) -> int:
+        return self.load_tokens + sum(t for _, _, t in self.unacked)
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
-        self.engine = engine
-        self.max_waiting_requests = max_waiting_requests or engine.config.max_waiting_requests
-        self._commands: deque[tuple[str, Any]] = deque()
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
+    def __init__(self, processor: InputProcessor, output_processor: OutputProcessor, replicas: list[Replica],
+                 router: Router | None = None, max_waiting_requests: int | None = None) -> None:
+        self.processor = processor
+        self.output_processor = output_processor
+        self.replicas = replicas
+        self.router = router or make_router("round-robin", len(replicas), processor.config.block_size)
+        self.max_waiting_requests = max_waiting_requests or processor.config.max_waiting_requests
+        self._loads = [_Load() for _ in replicas]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._parents: dict[str, str] = {}  # engine request (one per sample) -> the request id it belongs to
+        self._replica_of: dict[str, int] = {}  # request id -> the replica serving it
+        self._restarts: set[asyncio.Task[None]] = set()
         self.step_listeners: list[StepListener] = []
-        self.state_listeners: list[Callable[[int, int, float], None]] = []  # after commands applied when idle
-        self.fatal_listeners: list[Callable[[BaseException], None]] = []  # the engine loop died
+        self.state_listeners: list[StateListener] = []
+        self.route_listeners: list[Callable[[Decision], None]] = []
+        self.replica_listeners: list[ReplicaListener] = []
+        self.fatal_listeners: list[Callable[[BaseException], None]] = []  # no replica is left
         self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine, max_waiting_requests: int | None = None) -> AsyncLLM:
+        """One engine core stepping in a thread of this process, over an engine already built."""
+        return cls(engine.processor, engine.output_processor, [ThreadReplica(0, engine.core)], None,
+                   max_waiting_requests)
+
+    @classmethod
+    def launch(cls, config: EngineConfig, data_parallel_size: int = 1, router: str = "prefix-aware",
+               send_plans: bool = False, log_level: str = "INFO") -> AsyncLLM:
+        """`data_parallel_size` engine-core processes, each pinned to its share of the CPUs, behind `router`.
+        Blocks until every core has loaded the model. This process reads only the tokenizer and the model's
+        metadata (weights load lazily, so it never reads them)."""
+        from tokenmill.model.loader import load_model
+        from tokenmill.model.tokenizer import Tokenizer
+
+        loaded = load_model(config.model)
+        tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
+        max_model_len, eos = model_limits(loaded, tokenizer, config)
+        replicas: list[Replica] = [
+            ProcessReplica(i, config, cpu_share(i, data_parallel_size), send_plans,
+                           kv_events=data_parallel_size > 1, log_level=log_level)
+            for i in range(data_parallel_size)
+        ]
+        launch_all(replicas)
+        capacity = min(r.info.num_kv_blocks * r.info.block_size for r in replicas if r.info is not None)
+        processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity)
+        return cls(processor, OutputProcessor(tokenizer), replicas,
+                   make_router(router, data_parallel_size, config.block_size))
+
+    # ------------------------------------------------------------------ what the server reads
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.processor.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.max_model_len
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
+        for replica in self.replicas:
+            if replica.info is None:
+                replica.launch()
+            self._start(replica)
+
+    def _start(self, replica: Replica) -> None:
+        loop, index, generation = self._loop, replica.index, replica.generation
+        assert loop is not None
+
+        def deliver(message: Message) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._on_message, index, generation, message)
+
+        replica.start(deliver)
+        replica.state = "up"
+        self.router.set_alive(index, True)
+        self._loads[index] = _Load()
+        for listener in self.replica_listeners:
+            listener(replica)
 
     async def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10.0)
+        for task in self._restarts:
+            task.cancel()
+        await asyncio.gather(*(asyncio.to_thread(r.stop) for r in self.replicas))
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.dead_error is None and any(r.state == "up" for r in self.replicas)
 
-    # ------------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------------ reports from the replicas
 
-    def _send(self, kind: str, payload: Any) -> None:
-        self._commands.append((kind, payload))
-        self._wake.set()
+    def _on_message(self, index: int, generation: int, message: Message) -> None:
+        replica = self.replicas[index]
+        if generation != replica.generation:
+            return  # from a process that has been replaced
+        if isinstance(message, CoreReport):
+            self._on_report(replica, message)
+        elif isinstance(message, CoreDeath):
+            self._replica_down(replica, f"the engine stopped after an internal error: {message.message}")
+        elif isinstance(message, ReplicaExit) and replica.state == "up":
+            self._replica_down(replica, f"engine core {index} exited (exit code {message.exitcode})")
 
-    def _apply_commands(self) -> None:
-        core = self.engine.core
-        while self._commands:
-            kind, payload = self._commands.popleft()
-            if kind == "add":
-                for child in payload:
-                    try:
-                        core.add_request(child)
-                    except ValueError as exc:  # checked before sending; only a race could get here
-                        self._post(self._fail_requests, [child.request_id], exc)
-            elif kind == "abort":
-                core.abort_requests(payload)
-            elif kind == "finish":
-                core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
-
-    def _run(self) -> None:
-        core = self.engine.core
-        failures_in_a_row = 0
-        try:
-            while not self._stop:
-                if self._commands:
-                    self._apply_commands()
-                    self._post(self._on_state, *core.current_state())
-                if not core.has_unfinished_requests():
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                try:
-                    outputs = core.step()
-                except ModelStepError as exc:
-                    # Fault isolation: only the requests of this step fail; the rest keep their state and KV.
-                    failures_in_a_row += 1
-                    failed = core.fail_step(exc.plan)
-                    logger.error("model step failed (%d in a row); failing its %d requests: %s",
-                                 failures_in_a_row, len(failed), ", ".join(failed), exc_info=exc.__cause__)
-                    error = EngineStepError(f"internal error in the model step: {exc.__cause__!r}")
-                    self._post(self._fail_requests, failed, error)
-                    self._post(self._on_state, *core.current_state())
-                    if failures_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
-                        raise RuntimeError(f"{failures_in_a_row} model steps in a row failed") from exc.__cause__
-                    continue
-                failures_in_a_row = 0
-                self._post(self._on_step, outputs, core.last_step)
-        except Exception as exc:  # the scheduler's state can no longer be trusted: stop, and say so
-            logger.critical("engine loop died: %r", exc, exc_info=exc)
-            self.dead_error = exc
-            with contextlib.suppress(Exception):
-                core.abort_requests(list(core.scheduler.requests))
-            self._post(self._on_death, exc)
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(fn, *args)
-
-    # ------------------------------------------------------------------ event loop side
-
-    def _on_step(self, core_outputs: list[EngineCoreOutput], record: StepRecord | None) -> None:
-        outputs, stopped = self.engine.output_processor.process(core_outputs)
+    def _on_report(self, replica: Replica, report: CoreReport) -> None:
+        index = replica.index
+        info = replica.info
+        offset = time.monotonic() - info.clock if info is not None and info.hostname != _HOSTNAME else 0.0
+        for sync in report.syncs:
+            request = self.output_processor.request(sync.request_id)
+            if request is not None:
+                sync.apply(request, offset)
+        outputs, stopped = self.output_processor.process(report.outputs)
         if stopped:
-            self._send("finish", stopped)
+            replica.send("finish", stopped)
         for output in outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
-        if record is not None:
-            for listener in self.step_listeners:
-                listener(record)
+        if report.failed:
+            self._fail_requests(report.failed, EngineStepError(report.error or "the model step failed"))
+        if report.rejected:
+            self._fail_requests(report.rejected, ValueError(report.rejected_error or "rejected by the engine"))
+        load = self._loads[index]
+        load.acknowledge(report.acked, report.waiting, report.load_tokens)
+        self.router.apply_events(index, report.kv_events)
+        self.router.set_load(index, load.total_tokens())
+        if report.record is not None:
+            for step_listener in self.step_listeners:
+                step_listener(report.record, index)
+        else:
+            for state_listener in self.state_listeners:
+                state_listener(report.running, report.waiting, report.kv_usage, index)
 
-    def _on_state(self, running: int, waiting: int, kv_usage: float) -> None:
-        for listener in self.state_listeners:
-            listener(running, waiting, kv_usage)
+    def _replica_down(self, replica: Replica, reason: str) -> None:
+        replica.state = "down"
+        self.router.set_alive(replica.index, False)
+        self._loads[replica.index] = _Load()
+        error = EngineDeadError(reason)
+        failed = [rid for rid, i in self._replica_of.items() if i == replica.index]
+        logger.error("engine core %d is down (%s): failing its %d requests", replica.index, reason, len(failed))
+        for request_id in failed:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
+        for listener in self.replica_listeners:
+            listener(replica)
+        if replica.can_restart:
+            task = asyncio.ensure_future(self._relaunch(replica))
+            self._restarts.add(task)
+            task.add_done_callback(self._restarts.discard)
+        else:
+            self._check_fatal(error)
+
+    async def _relaunch(self, replica: Replica) -> None:
+        replica.state = "restarting"
+        replica.restarts += 1
+        for listener in self.replica_listeners:
+            listener(replica)
+        for attempt in range(1, MAX_LAUNCH_ATTEMPTS + 1):
+            try:
+                started = time.monotonic()
+                await asyncio.to_thread(replica.launch)
+            except Exception as exc:  # noqa: BLE001 - logged; retried, then given up
+                logger.error("relaunching engine core %d failed (attempt %d of %d): %s", replica.index, attempt,
+                             MAX_LAUNCH_ATTEMPTS, exc)
+                await asyncio.sleep(float(attempt))
+                continue
+            logger.info("engine core %d is back (pid %s, %.1f s)", replica.index, replica.pid,
+                        time.monotonic() - started)
+            self._start(replica)
+            return
+        replica.state = "failed"
+        for listener in self.replica_listeners:
+            listener(replica)
+        self._check_fatal(EngineDeadError(f"engine core {replica.index} could not be restarted"))
+
+    def _check_fatal(self, error: BaseException) -> None:
+        if any(r.state in ("up", "restarting", "starting") for r in self.replicas):
+            return
+        self.dead_error = error
+        self.fail_all(error)
+        for listener in self.fatal_listeners:
+            listener(error)
 
     def _fail_requests(self, child_ids: list[str], exc: BaseException) -> None:
         """Hand `exc` to the streams owning these engine requests (a parent fails with any of its children)."""
@@ -169,39 +277,46 @@ class AsyncLLM:
         for queue in self._queues.values():
             queue.put_nowait(exc)
 
-    def _on_death(self, exc: BaseException) -> None:
-        self.fail_all(EngineDeadError(f"the engine stopped after an internal error: {exc!r}"))
-        for listener in self.fatal_listeners:
-            listener(exc)
+    # ------------------------------------------------------------------ requests
 
     @property
     def num_open_requests(self) -> int:
         return len(self._queues)
 
     def num_waiting(self) -> int:
-        return self.engine.core.scheduler.num_waiting + sum(1 for kind, _ in list(self._commands) if kind == "add")
+        return sum(load.total_waiting() for load in self._loads)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._queues
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, strict_max_tokens: bool = False) -> RequestStream:
-        """Validate and submit at once (raising QueueFullError / ValueError / EngineDeadError); the returned
-        stream yields the outputs, and closing it before the end aborts the request."""
-        if not self.is_running or self.dead_error is not None:
-            raise EngineDeadError("the engine is not running")
+        """Validate, route and submit at once (raising QueueFullError / ValueError / EngineDeadError); the
+        returned stream yields the outputs, and closing it before the end aborts the request."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is not running: {self.dead_error}")
+        if not self.is_running:
+            raise EngineDeadError("no engine core is running (restarting)")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.num_waiting() >= self.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
-        text, token_ids, children = self.engine.make_requests(
+        text, token_ids, children = self.processor.make_requests(
             request_id, prompt, params, time.monotonic() if arrival_time is None else arrival_time, priority,
             strict_max_tokens)
+        decision = self.router.route(token_ids)
+        for listener in self.route_listeners:
+            listener(decision)
+        index = decision.replica
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
+        self._replica_of[request_id] = index
         self._parents.update((child.request_id, request_id) for child in children)
-        self.engine.output_processor.add(request_id, text, token_ids, children)
-        self._send("add", children)
+        self.output_processor.add(request_id, text, token_ids, children)
+        seq = self.replicas[index].send("add", children)
+        load = self._loads[index]
+        load.unacked.append((seq, len(children), len(token_ids) * len(children)))
+        self.router.set_load(index, load.total_tokens())
         return RequestStream(self, request_id, children, queue)
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -219,11 +334,34 @@ class AsyncLLM:
             self._parents.pop(child.request_id, None)
         if not finished:
             self.abort(request_id, children)
+        self._replica_of.pop(request_id, None)
 
     def abort(self, request_id: str, children: list[Request] | None = None) -> None:
-        ids = [c.request_id for c in children] if children else self.engine.output_processor.child_ids(request_id)
-        self.engine.output_processor.abort(request_id)
-        self._send("abort", ids)
+        ids = [c.request_id for c in children] if children else self.output_processor.child_ids(request_id)
+        self.output_processor.abort(request_id)
+        index = self._replica_of.get(request_id)
+        if index is not None and self.replicas[index].state == "up":
+            self.replicas[index].send("abort", ids)
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        """One entry per replica for /health."""
+        return [{"replica": r.index, "state": r.state, "pid": r.pid, "restarts": r.restarts} for r in self.replicas]
+
+
+def launch_all(replicas: list[Replica]) -> None:
+    """Launch the replicas side by side (each loads its own model copy), raising the first failure."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(replicas)) as pool:
+        errors = [f.exception() for f in [pool.submit(r.launch) for r in replicas]]
+    for error in errors:
+        if error is not None:
+            for replica in replicas:
+                replica.stop(timeout=1.0)
+            raise error
+
+
+_HOSTNAME = socket.gethostname()
 
 
 class RequestStream:

@@ -94,6 +94,10 @@ class EngineCore:
             self.kv.forget_cached_blocks(scheduled.request_id, scheduled.start_position)
         return self.abort_requests([s.request_id for s in plan.scheduled])
 
+    def load_tokens(self) -> int:
+        """Waiting + running tokens: the load a router balances on."""
+        return sum(r.num_tokens for r in self.scheduler.requests.values())
+
     def current_state(self) -> tuple[int, int, float]:
         """(running, waiting, KV usage) right now."""
         return len(self.scheduler.running), self.scheduler.num_waiting, self.kv.usage()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.processor import InputProcessor, PromptType, model_limits
 from tokenmill.executor.model_runner import Executor, ModelRunner
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.model.tokenizer import Tokenizer
@@ -18,9 +18,6 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.manager import StructuredOutputManager
-
-# A prompt is text, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
-PromptType = str | Sequence[int] | dict[str, Any]
 
 
 class LLMEngine:
@@ -35,6 +32,9 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(tokenizer.backend, vocab_size, eos_token_ids)
         self.core = EngineCore(config, executor, max_model_len, clock, self.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
+        self.processor = InputProcessor(config, tokenizer, max_model_len, eos_token_ids, vocab_size,
+                                        self.core.kv.num_blocks * self.core.kv.block_size, self.structured_output,
+                                        clock)
         self.clock = clock
         self._ids = itertools.count()
 
@@ -47,69 +47,22 @@ class LLMEngine:
     def from_loaded(cls, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer) -> LLMEngine:
         """An engine over weights already in memory (benchmarks and tests build several from one load)."""
         runner = ModelRunner(config, loaded.config, loaded.weights)
-        model_len = loaded.config.max_position_embeddings
-        max_model_len = min(config.max_model_len or model_len, model_len)
-        eos = set(loaded.config.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        return cls(config, tokenizer, runner, max_model_len, tuple(sorted(eos)), loaded.config.vocab_size)
+        max_model_len, eos = model_limits(loaded, tokenizer, config)
+        return cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size)
 
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return None, list(prompt)
+        return self.processor.tokenize_prompt(prompt)
 
     def make_requests(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
         priority: int = 0, strict_max_tokens: bool = False,
     ) -> tuple[str | None, list[int], list[Request]]:
-        """Tokenize and validate; one engine request per sample (n > 1 fans out with seeds seed, seed+1, ...).
-
-        Raises ValueError for anything that could never run, before any engine state changes. With
-        `strict_max_tokens` (the server's rule, as vLLM's), prompt + max_tokens beyond the context is an error;
-        otherwise (offline, as vLLM's LLM) generation stops at the context limit.
-        """
-        text, token_ids = self.tokenize_prompt(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        out_of_vocab = [t for t in params.logit_bias or {} if t >= self.vocab_size]
-        if out_of_vocab:
-            raise ValueError(f"logit_bias token ids out of range [0, {self.vocab_size}): {out_of_vocab[:5]}")
-        if params.structured_outputs is not None:
-            self.structured_output.validate(params.structured_outputs)
-        wanted = len(token_ids) + (params.max_tokens or 0)
-        if strict_max_tokens and params.max_tokens is not None and wanted > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{wanted} tokens ({len(token_ids)} in the prompt, {params.max_tokens} in the completion). "
-                f"Please reduce the length of the prompt or completion."
-            )
-        arrival = self.clock() if arrival_time is None else arrival_time
-        if params.n == 1:
-            children = [Request(request_id, token_ids, params, self.eos_token_ids, arrival, priority, text)]
-        else:
-            children = [
-                Request(f"{request_id}#{i}", token_ids,
-                        params.with_seed(None if params.seed is None else params.seed + i),
-                        self.eos_token_ids, arrival, priority, text)
-                for i in range(params.n)
-            ]
-        for child in children:
-            self.core.scheduler.check_request(child)
-        return text, token_ids, children
+        """See InputProcessor.make_requests."""
+        return self.processor.make_requests(request_id, prompt, params, arrival_time, priority, strict_max_tokens)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> str:

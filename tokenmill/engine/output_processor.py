@@ -65,6 +65,11 @@ class OutputProcessor:
         for completion in completions:
             self._child_to_parent[completion.request.request_id] = (parent, completion)
 
+    def request(self, child_id: str) -> Request | None:
+        """The front end's copy of an unfinished engine request."""
+        entry = self._child_to_parent.get(child_id)
+        return entry[1].request if entry else None
+
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []

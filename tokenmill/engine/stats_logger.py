@@ -22,39 +22,53 @@ class LoggingStatLogger:
         self._since = clock()
         self._prompt_tokens = self._generation_tokens = self._preemptions = 0
         self._queries = self._hits = 0
-        self._last_queries = self._last_hits = 0  # the scheduler's cumulative prefix counters
-        self._running = self._waiting = 0
-        self._kv_usage = 0.0
+        self._last_prefix: dict[int, tuple[int, int]] = {}  # per replica: its scheduler's cumulative counters
+        self._state: dict[int, tuple[int, int, float]] = {}  # per replica: running, waiting, KV usage
         self._was_busy = False
         self._draft_tokens = self._accepted_tokens = 0
 
-    def on_step(self, record: StepRecord) -> None:
+    def on_step(self, record: StepRecord, replica: int = 0) -> None:
         s = record.stats
         self._prompt_tokens += s.num_prefill_tokens
         self._generation_tokens += s.num_generated_tokens
         self._preemptions += s.num_preemptions
         self._draft_tokens += s.spec_num_draft_tokens
         self._accepted_tokens += s.spec_num_accepted_tokens
-        self._queries += s.prefix_queries - self._last_queries
-        self._hits += s.prefix_hits - self._last_hits
-        self._last_queries, self._last_hits = s.prefix_queries, s.prefix_hits
-        self.on_state(s.num_running, s.num_waiting, s.kv_usage)
+        last_queries, last_hits = self._last_prefix.get(replica, (0, 0))
+        if s.prefix_queries < last_queries:  # a restarted replica counts from zero again
+            last_queries = last_hits = 0
+        self._queries += s.prefix_queries - last_queries
+        self._hits += s.prefix_hits - last_hits
+        self._last_prefix[replica] = (s.prefix_queries, s.prefix_hits)
+        self.on_state(s.num_running, s.num_waiting, s.kv_usage, replica)
 
-    def on_state(self, running: int, waiting: int, kv_usage: float) -> None:
-        self._running, self._waiting, self._kv_usage = running, waiting, kv_usage
+    def on_state(self, running: int, waiting: int, kv_usage: float, replica: int = 0) -> None:
+        self._state[replica] = (running, waiting, kv_usage)
+
+    @property
+    def running(self) -> int:
+        return sum(r for r, _, _ in self._state.values())
+
+    @property
+    def waiting(self) -> int:
+        return sum(w for _, w, _ in self._state.values())
+
+    @property
+    def kv_usage(self) -> float:  # the replicas' mean
+        return sum(k for _, _, k in self._state.values()) / len(self._state) if self._state else 0.0
 
     def log(self) -> str | None:
         """Write (and return) the line for the interval that ends now, or None when there is nothing to say."""
         now = self.clock()
         elapsed = max(now - self._since, 1e-9)
-        busy = bool(self._prompt_tokens or self._generation_tokens or self._running or self._waiting)
+        busy = bool(self._prompt_tokens or self._generation_tokens or self.running or self.waiting)
         line = None
         if busy or self._was_busy:
             hit_rate = 100.0 * self._hits / self._queries if self._queries else 0.0
             line = (f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
                     f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
-                    f"Running: {self._running} reqs, Waiting: {self._waiting} reqs, "
-                    f"KV cache usage: {100.0 * self._kv_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, "
+                    f"Running: {self.running} reqs, Waiting: {self.waiting} reqs, "
+                    f"KV cache usage: {100.0 * self.kv_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, "
                     f"Preemptions: {self._preemptions}")
             if self._draft_tokens:
                 line += (f", Speculative acceptance: {100.0 * self._accepted_tokens / self._draft_tokens:.1f}% "

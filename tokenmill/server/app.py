@@ -59,6 +59,9 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     step_trace: str | None = None  # a file for one JSON line per model step (tokenmill sim calibrate reads it)
+    data_parallel_size: int = 1  # engine-core processes, each with its own model copy, KV pool and scheduler
+    router: str = "prefix-aware"  # which replica gets a request (data parallel)
+    distributed_executor_backend: str = "mp"  # where the engine cores run: "mp" (local processes) or "ray"
 
 
 class APIError(Exception):
@@ -132,15 +135,22 @@ def default_model_name(config: EngineConfig) -> str:
     return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name
 
 
-def build_app(engine: LLMEngine, options: ServerOptions | None = None, state: ServerState | None = None) -> FastAPI:
+def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
+              state: ServerState | None = None) -> FastAPI:
+    """The API over a front end (an engine built in this process is served by one core stepping in a thread)."""
     options = options or ServerOptions()
     state = state or ServerState()
     api_key = options.api_key
-    model_name = options.served_model_name or default_model_name(engine.config)
-    llm = AsyncLLM(engine)
+    if isinstance(llm, LLMEngine):
+        llm = AsyncLLM.from_engine(llm)
+    model_name = options.served_model_name or default_model_name(llm.config)
+    tokenizer = llm.tokenizer
     metrics = EngineMetrics(model_name)
+    metrics.add_replicas(len(llm.replicas))
     llm.step_listeners.append(metrics.on_step)
     llm.state_listeners.append(metrics.set_idle)
+    llm.replica_listeners.append(lambda r: metrics.on_replica(r.index, r.state, r.restarts))
+    llm.route_listeners.append(lambda d: metrics.on_route(d.replica, d.reason, d.matched_blocks))
     if options.step_trace:
         from tokenmill.sim.trace import StepTraceWriter
 
@@ -197,12 +207,16 @@ def build_app(engine: LLMEngine, options: ServerOptions | None = None, state: Se
 
     @app.get("/health")
     async def health() -> Response:
-        if not llm.is_running or llm.dead_error is not None:
-            return error_response(503, "the engine is not running", "service_unavailable")
+        """200 "ok" with every engine core up, 200 "degraded" with some, 503 with none (or while draining)."""
+        replicas = llm.replica_status()
+        if not llm.is_running:
+            body = error_body(503, "the engine is not running", "service_unavailable")
+            return JSONResponse({**body, "replicas": replicas}, status_code=503)
         if state.draining:
             return error_response(503, "the server is shutting down", "service_unavailable",
                                   headers={"Retry-After": "5"})
-        return JSONResponse({"status": "ok"})
+        up = sum(r["state"] == "up" for r in replicas)
+        return JSONResponse({"status": "ok" if up == len(replicas) else "degraded", "replicas": replicas})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -212,7 +226,7 @@ def build_app(engine: LLMEngine, options: ServerOptions | None = None, state: Se
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
-            "max_model_len": engine.max_model_len,
+            "max_model_len": llm.max_model_len,
         }]}
 
     def submit(request_id: str, prompt: Any, params: Any, priority: int) -> RequestStream:
@@ -279,7 +293,7 @@ def build_app(engine: LLMEngine, options: ServerOptions | None = None, state: Se
         check_model(body.model)
         params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs, body.constraint()))
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]
-        builder = ResponseBuilder("completion", model_name, engine.tokenizer, len(prompts), params.n,
+        builder = ResponseBuilder("completion", model_name, tokenizer, len(prompts), params.n,
                                   logprobs=body.logprobs, request_id=http_request.state.request_id)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await serve(builder, prompts, params, body.priority, body.stream, include_usage, http_request)
@@ -307,11 +321,11 @@ def build_app(engine: LLMEngine, options: ServerOptions | None = None, state: Se
         params = _params(lambda: body.sampling_params(max_tokens, top if body.logprobs else None, constraint()))
         try:
             messages, template_vars = prepare_conversation(body.conversation(), tools,
-                                                           engine.tokenizer.chat_template)
-            prompt_ids = engine.tokenizer.encode_chat(messages, body.add_generation_prompt, **template_vars)
+                                                           tokenizer.chat_template)
+            prompt_ids = tokenizer.encode_chat(messages, body.add_generation_prompt, **template_vars)
         except Exception as exc:  # a template that rejects the conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
-        builder = ResponseBuilder("chat", model_name, engine.tokenizer, 1, params.n,
+        builder = ResponseBuilder("chat", model_name, tokenizer, 1, params.n,
                                   logprobs=top if body.logprobs else None, request_id=http_request.state.request_id,
                                   tool_mode=tool_mode)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -387,26 +401,58 @@ async def _sse(builder: ResponseBuilder, merged: AsyncIterator[tuple[int, Reques
     yield "data: [DONE]\n\n"
 
 
+def multiprocessing_enabled() -> bool:
+    """Engine cores in their own processes (the default, as vLLM v1's VLLM_ENABLE_V1_MULTIPROCESSING)."""
+    return os.environ.get("TOKENMILL_ENABLE_MULTIPROCESSING", "1") != "0"
+
+
+def start_front_end(config: EngineConfig, options: ServerOptions, log_level: str = "info") -> AsyncLLM:
+    """Load the engine cores (blocking) and return the front end over them."""
+    if options.distributed_executor_backend == "ray":
+        from tokenmill.engine.ray_backend import launch_on_ray
+
+        return launch_on_ray(config, options.data_parallel_size, options.router, bool(options.step_trace),
+                             log_level)
+    if options.distributed_executor_backend != "mp":
+        raise ValueError(f"unknown --distributed-executor-backend {options.distributed_executor_backend!r}: "
+                         "mp or ray")
+    if multiprocessing_enabled():
+        return AsyncLLM.launch(config, options.data_parallel_size, options.router, bool(options.step_trace),
+                               log_level)
+    if options.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size > 1 needs engine-core processes (TOKENMILL_ENABLE_MULTIPROCESSING=1)")
+    # The engine steps in a thread of this process: load the model in a passing thread, so that the engine
+    # thread's OpenMP team is the only one alive while serving (see platform.in_passing_thread).
+    engine = in_passing_thread(lambda: LLMEngine.from_config(config))
+    engine.structured_output.warm_up()
+    return AsyncLLM.from_engine(engine)
+
+
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                options: ServerOptions | None = None, log_level: str = "info") -> int:
-    """Serve until SIGTERM (drain, then exit status 0) or until the engine dies (exit status 1)."""
+    """Serve until SIGTERM (drain, then exit status 0) or until no engine core is left (exit status 1)."""
     import uvicorn
 
     options = options or ServerOptions()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The engine steps in its own thread: load the model in a passing thread, so that the engine thread's
-    # OpenMP team is the only one alive while serving (see platform.in_passing_thread).
-    engine = in_passing_thread(lambda: LLMEngine.from_config(config))
-    engine.structured_output.warm_up()
+    started = time.monotonic()
+    llm = start_front_end(config, options, log_level)
     state = ServerState()
-    app = build_app(engine, options, state)
-    kv = engine.core.kv
-    kv_mb = getattr(engine.core.executor, "kv_cache_bytes", 0) / 2**20
-    logger.info("serving %s on http://%s:%d: KV cache %d blocks x %d tokens = %d tokens (%.0f MiB), "
-                "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d",
-                options.served_model_name or default_model_name(config), host, port, kv.num_blocks,
-                kv.block_size, kv.num_blocks * kv.block_size, kv_mb, engine.max_model_len, config.max_num_seqs,
-                config.max_num_batched_tokens)
+    app = build_app(llm, options, state)
+    for replica in llm.replicas:
+        info = replica.info
+        assert info is not None
+        logger.info("engine core %d (pid %d%s): KV cache %d blocks x %d tokens = %d tokens (%.0f MiB)%s",
+                    replica.index, info.pid, f", CPUs {replica.cpus}" if getattr(replica, "cpus", None) else "",
+                    info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
+                    info.kv_cache_bytes / 2**20,
+                    f", started in {info.start_seconds:.1f} s, RSS {info.rss_bytes / 2**20:.0f} MiB"
+                    if info.rss_bytes else "")
+    logger.info("serving %s on http://%s:%d (%d engine core%s, router %s, ready in %.1f s): max_model_len %d, "
+                "max_num_seqs %d, max_num_batched_tokens %d",
+                options.served_model_name or default_model_name(config), host, port, len(llm.replicas),
+                "s" if len(llm.replicas) > 1 else "", options.router if len(llm.replicas) > 1 else "-",
+                time.monotonic() - started, llm.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
     # A second SIGTERM during the drain makes uvicorn stop at once and re-raise it afterwards: exit cleanly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(state.exit_code))
     server = GracefulServer(

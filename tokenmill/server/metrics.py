@@ -27,6 +27,7 @@ class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        per_replica = ["model_name", "replica"]  # what one engine core reports (data parallel: one series each)
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes & co., as in vLLM's default registry
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token", labels,
@@ -37,63 +38,92 @@ class EngineMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("tokenmill:request_queue_time_seconds", "Time waiting before first scheduled",
                                     labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("tokenmill:num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("tokenmill:num_requests_waiting", "Requests waiting to be scheduled", labels,
+        self.running = Gauge("tokenmill:num_requests_running", "Requests in the running batch", per_replica, registry=r)
+        self.waiting = Gauge("tokenmill:num_requests_waiting", "Requests waiting to be scheduled", per_replica,
                              registry=r)
-        self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", labels,
+        self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", per_replica,
                               registry=r)
         self.prefix_queries = Counter("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      labels, registry=r)
-        self.prefix_hits = Counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
-                                   registry=r)
-        self.preemptions = Counter("tokenmill:num_preemptions", "Preemptions", labels, registry=r)
+                                      per_replica, registry=r)
+        self.prefix_hits = Counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   per_replica, registry=r)
+        self.preemptions = Counter("tokenmill:num_preemptions", "Preemptions", per_replica, registry=r)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated", labels, registry=r)
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
                                labels + ["finished_reason"], registry=r)
-        self.spec_drafts = Counter("tokenmill:spec_decode_num_drafts", "Speculative proposals verified", labels,
+        self.spec_drafts = Counter("tokenmill:spec_decode_num_drafts", "Speculative proposals verified", per_replica,
                                    registry=r)
         self.spec_draft_tokens = Counter("tokenmill:spec_decode_num_draft_tokens", "Proposed tokens verified",
-                                         labels, registry=r)
+                                         per_replica, registry=r)
         self.spec_accepted_tokens = Counter("tokenmill:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
-                                            labels, registry=r)
+                                            per_replica, registry=r)
         self.spec_accepted_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
                                              "Proposed tokens accepted, by position in the proposal",
-                                             labels + ["position"], registry=r)
+                                             per_replica + ["position"], registry=r)
+        self.replica_up = Gauge("tokenmill:replica_up", "1 while the engine core serves, 0 while down or restarting",
+                                per_replica, registry=r)
+        self.replica_restarts = Counter("tokenmill:replica_restarts", "Engine core restarts after a failure",
+                                        per_replica, registry=r)
+        self.router_decisions = Counter("tokenmill:router_decisions",
+                                        "Requests routed, by reason (prefix: for its cached blocks; load: least "
+                                        "loaded; round-robin)", ["model_name", "replica", "reason"], registry=r)
+        self.router_matched_blocks = Counter("tokenmill:router_matched_blocks",
+                                             "Prompt blocks the chosen replica held when routed for its prefix",
+                                             per_replica, registry=r)
         self.model_name = model_name
-        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting, self.kv_usage,
-                       self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
-                       self.generation_tokens):
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens):
             metric.labels(model_name)  # exposed (at zero) from the start
-        self._last_queries = 0
-        self._last_hits = 0
+        self._last_prefix: dict[str, tuple[int, int]] = {}  # per replica: its scheduler's cumulative counters
+        self._restarts_seen: dict[int, int] = {}
 
-    def on_step(self, record: StepRecord) -> None:
+    def add_replicas(self, num_replicas: int) -> None:
+        for i in range(num_replicas):
+            for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
+                           self.preemptions, self.replica_up, self.replica_restarts):
+                metric.labels(self.model_name, str(i))
+
+    def on_step(self, record: StepRecord, replica: int = 0) -> None:
         s = record.stats
-        m = self.model_name
-        self.running.labels(m).set(s.num_running)
-        self.waiting.labels(m).set(s.num_waiting)
-        self.kv_usage.labels(m).set(s.kv_usage)
+        m, r = self.model_name, str(replica)
+        self.running.labels(m, r).set(s.num_running)
+        self.waiting.labels(m, r).set(s.num_waiting)
+        self.kv_usage.labels(m, r).set(s.kv_usage)
         if s.num_preemptions:
-            self.preemptions.labels(m).inc(s.num_preemptions)
+            self.preemptions.labels(m, r).inc(s.num_preemptions)
         if s.spec_num_drafts:
-            self.spec_drafts.labels(m).inc(s.spec_num_drafts)
-            self.spec_draft_tokens.labels(m).inc(s.spec_num_draft_tokens)
-            self.spec_accepted_tokens.labels(m).inc(s.spec_num_accepted_tokens)
+            self.spec_drafts.labels(m, r).inc(s.spec_num_drafts)
+            self.spec_draft_tokens.labels(m, r).inc(s.spec_num_draft_tokens)
+            self.spec_accepted_tokens.labels(m, r).inc(s.spec_num_accepted_tokens)
             for position, count in enumerate(s.spec_accepted_per_pos):
-                self.spec_accepted_per_pos.labels(m, str(position)).inc(count)
-        if s.prefix_queries > self._last_queries:
-            self.prefix_queries.labels(m).inc(s.prefix_queries - self._last_queries)
-            self._last_queries = s.prefix_queries
-        if s.prefix_hits > self._last_hits:
-            self.prefix_hits.labels(m).inc(s.prefix_hits - self._last_hits)
-            self._last_hits = s.prefix_hits
+                self.spec_accepted_per_pos.labels(m, r, str(position)).inc(count)
+        last_queries, last_hits = self._last_prefix.get(r, (0, 0))
+        if s.prefix_queries < last_queries:  # a restarted replica counts from zero again
+            last_queries = last_hits = 0
+        if s.prefix_queries > last_queries:
+            self.prefix_queries.labels(m, r).inc(s.prefix_queries - last_queries)
+        if s.prefix_hits > last_hits:
+            self.prefix_hits.labels(m, r).inc(s.prefix_hits - last_hits)
+        self._last_prefix[r] = (s.prefix_queries, s.prefix_hits)
 
-    def set_idle(self, running: int, waiting: int, kv_usage: float) -> None:
-        m = self.model_name
-        self.running.labels(m).set(running)
-        self.waiting.labels(m).set(waiting)
-        self.kv_usage.labels(m).set(kv_usage)
+    def set_idle(self, running: int, waiting: int, kv_usage: float, replica: int = 0) -> None:
+        m, r = self.model_name, str(replica)
+        self.running.labels(m, r).set(running)
+        self.waiting.labels(m, r).set(waiting)
+        self.kv_usage.labels(m, r).set(kv_usage)
+
+    def on_replica(self, index: int, state: str, restarts: int) -> None:
+        m, r = self.model_name, str(index)
+        self.replica_up.labels(m, r).set(1.0 if state == "up" else 0.0)
+        if restarts > self._restarts_seen.get(index, 0):  # the counter follows the replica's own count
+            self.replica_restarts.labels(m, r).inc(restarts - self._restarts_seen.get(index, 0))
+            self._restarts_seen[index] = restarts
+
+    def on_route(self, replica: int, reason: str, matched_blocks: int) -> None:
+        m, r = self.model_name, str(replica)
+        self.router_decisions.labels(m, r, reason).inc()
+        if matched_blocks:
+            self.router_matched_blocks.labels(m, r).inc(matched_blocks)
 
     def on_finished(self, output: RequestOutput) -> None:
         m = self.model_name

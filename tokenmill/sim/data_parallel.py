@@ -36,10 +36,6 @@ class _Replica:
         self.clock = clock
         self.num_requests = 0
 
-    def load_tokens(self) -> int:
-        """Waiting + running tokens: what the engine would report with each step."""
-        return sum(r.num_tokens for r in self.core.scheduler.requests.values())
-
 
 class DataParallelSimulation:
     def __init__(self, replica: Simulation, num_replicas: int, router: str = "prefix-aware") -> None:
@@ -77,7 +73,7 @@ class DataParallelSimulation:
                 for i, replica in enumerate(replicas):
                     router.apply_events(i, replica.core.kv.pool.events or [])
                     replica.core.kv.pool.events = []
-                    router.set_load(i, replica.load_tokens())
+                    router.set_load(i, replica.core.load_tokens())
                 decision = router.route(items[index].prompt_token_ids)
                 decisions[decision.reason] += 1
                 chosen = replicas[decision.replica]

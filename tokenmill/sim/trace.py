@@ -20,7 +20,7 @@ class StepTraceWriter:
     def __init__(self, path: str | Path) -> None:
         self.file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - open for the server's lifetime
 
-    def on_step(self, record: StepRecord) -> None:
+    def on_step(self, record: StepRecord, replica: int = 0) -> None:
         if record.plan is None or record.plan.is_empty:
             return
         shape = StepShape.of(record.plan)

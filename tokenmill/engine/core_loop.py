@@ -1,0 +1,210 @@
+"""The loop that drives one engine core, wherever it runs (a thread of the API server, or its own process), and
+the messages it exchanges with the front end.
+
+Commands come in between steps (add, abort, finish-by-stop-string); after every batch of commands and every
+step the loop publishes a `CoreReport`: the step's outputs and stats, the queue state, the load a router
+balances on, the prefix cache's KV events and which command it has applied last. The front end never touches
+the core's state; everything it learns is in the reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.core.block_pool import KVEvent
+from tokenmill.core.scheduler import EngineCoreOutput
+from tokenmill.engine.core import EngineCore, ModelStepError, StepRecord
+from tokenmill.request import Request, RequestStatus
+
+logger = logging.getLogger("tokenmill.engine")
+
+# After this many model steps in a row have raised, the executor is taken to be broken: the core dies.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+# (sequence number, kind, payload); kinds: "add" (list[Request]), "abort" / "finish" (list of request ids)
+Command = tuple[int, str, Any]
+
+
+@dataclass
+class CoreInfo:
+    """A core's hello once its model is loaded: what the front end needs to validate and route requests."""
+
+    num_kv_blocks: int
+    block_size: int
+    kv_cache_bytes: int
+    max_model_len: int
+    pid: int = field(default_factory=os.getpid)
+    hostname: str = field(default_factory=socket.gethostname)
+    clock: float = field(default_factory=time.monotonic)  # the core's monotonic clock when it said hello
+    start_seconds: float = 0.0  # from process start to ready (imports, model load, warm-up)
+    rss_bytes: int = 0  # the core process's resident memory when ready
+
+
+@dataclass
+class RequestSync:
+    """A request's progress as the core saw it, for a front end that holds its own copy of the request (the
+    output processor reads timestamps and cache hits from it): the timestamps set so far and the token times
+    added since the last sync."""
+
+    request_id: str
+    first_scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    finished: float | None
+    new_token_times: list[float]
+    num_cached_tokens: int
+    num_preemptions: int
+    num_recomputed_tokens: int
+
+    def apply(self, request: Request, clock_offset: float = 0.0) -> None:
+        def shift(t: float | None) -> float | None:
+            return None if t is None else t + clock_offset
+
+        times = request.times
+        times.first_scheduled, times.first_token = shift(self.first_scheduled), shift(self.first_token)
+        times.last_token, times.finished = shift(self.last_token), shift(self.finished)
+        times.token_times.extend(t + clock_offset for t in self.new_token_times)
+        request.num_cached_tokens = self.num_cached_tokens
+        request.num_preemptions = self.num_preemptions
+        request.num_recomputed_tokens = self.num_recomputed_tokens
+
+
+@dataclass
+class CoreReport:
+    """What a core publishes after applying commands (no step) or after a step."""
+
+    outputs: list[EngineCoreOutput]
+    record: StepRecord | None  # None when no step ran
+    running: int
+    waiting: int
+    kv_usage: float
+    load_tokens: int  # waiting + running tokens
+    acked: int  # sequence number of the last command applied
+    kv_events: list[KVEvent] = field(default_factory=list)
+    syncs: list[RequestSync] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # requests of a step that raised (they are aborted)
+    error: str | None = None  # why they failed
+    rejected: list[str] = field(default_factory=list)  # adds refused by the core (a race with validation)
+    rejected_error: str | None = None
+
+
+@dataclass
+class CoreDeath:
+    """The core's loop stopped after an error its state cannot survive; its process exits next."""
+
+    message: str
+
+
+class CoreLoop:
+    """Runs a core: `receive(block)` returns the commands that arrived (waiting for some when `block`), or None
+    to stop; `publish` sends each report (and a `CoreDeath` if the loop dies)."""
+
+    def __init__(self, core: EngineCore, publish: Callable[[CoreReport | CoreDeath], None],
+                 mirror_requests: bool = False, send_plans: bool = True, kv_events: bool = False) -> None:
+        self.core = core
+        self.publish = publish
+        self.mirror_requests = mirror_requests  # the front end holds copies of the requests: send syncs
+        self.send_plans = send_plans  # step records carry their plan (step traces need it)
+        self.acked = 0
+        self._tracked: dict[str, tuple[Request, int]] = {}  # mirrored requests, token times already sent
+        if kv_events:
+            core.kv.pool.events = []
+
+    def run(self, receive: Callable[[bool], list[Command] | None]) -> None:
+        core = self.core
+        failures_in_a_row = 0
+        try:
+            while True:
+                commands = receive(not core.has_unfinished_requests())
+                if commands is None:
+                    return
+                if commands:
+                    self._report([], None, rejected=self._apply(commands))
+                if not core.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = core.step()
+                except ModelStepError as exc:
+                    # Fault isolation: only the requests of this step fail; the rest keep their state and KV.
+                    failures_in_a_row += 1
+                    failed = core.fail_step(exc.plan)
+                    logger.error("model step failed (%d in a row); failing its %d requests: %s",
+                                 failures_in_a_row, len(failed), ", ".join(failed), exc_info=exc.__cause__)
+                    self._untrack(failed)
+                    self._report([], None, failed=failed,
+                                 error=f"internal error in the model step: {exc.__cause__!r}")
+                    if failures_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise RuntimeError(f"{failures_in_a_row} model steps in a row failed") from exc.__cause__
+                    continue
+                failures_in_a_row = 0
+                self._report(outputs, core.last_step)
+        except Exception as exc:  # the scheduler's state can no longer be trusted: stop, and say so
+            logger.critical("engine loop died: %r", exc, exc_info=exc)
+            with contextlib.suppress(Exception):
+                core.abort_requests(list(core.scheduler.requests))
+            self.publish(CoreDeath(repr(exc)))
+
+    def _apply(self, commands: list[Command]) -> list[tuple[str, str]]:
+        core = self.core
+        rejected: list[tuple[str, str]] = []
+        for seq, kind, payload in commands:
+            if kind == "add":
+                for child in payload:
+                    try:
+                        core.add_request(child)
+                    except ValueError as exc:  # checked before sending; only a race could get here
+                        rejected.append((child.request_id, str(exc)))
+                        continue
+                    if self.mirror_requests:
+                        self._tracked[child.request_id] = (child, 0)
+            elif kind == "abort":
+                core.abort_requests(payload)
+                self._untrack(payload)
+            elif kind == "finish":
+                core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
+                self._untrack(payload)
+            self.acked = max(self.acked, seq)
+        return rejected
+
+    def _report(self, outputs: list[EngineCoreOutput], record: StepRecord | None, failed: list[str] | None = None,
+                error: str | None = None, rejected: list[tuple[str, str]] | None = None) -> None:
+        core = self.core
+        running, waiting, kv_usage = core.current_state()
+        events = core.kv.pool.events
+        if events:
+            core.kv.pool.events = []
+        if record is not None and not self.send_plans:
+            record = StepRecord(record.step, record.seconds, record.stats, None, record.started)
+        self.publish(CoreReport(
+            outputs, record, running, waiting, kv_usage, core.load_tokens(), self.acked, events or [],
+            self._syncs(outputs) if self.mirror_requests else [], failed or [], error,
+            [request_id for request_id, _ in rejected or []], rejected[0][1] if rejected else None,
+        ))
+
+    def _untrack(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._tracked.pop(request_id, None)
+
+    def _syncs(self, outputs: list[EngineCoreOutput]) -> list[RequestSync]:
+        syncs = []
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            request, sent = tracked
+            times = request.times
+            syncs.append(RequestSync(out.request_id, times.first_scheduled, times.first_token, times.last_token,
+                                     times.finished, times.token_times[sent:], request.num_cached_tokens,
+                                     request.num_preemptions, request.num_recomputed_tokens))
+            if request.is_finished:
+                del self._tracked[out.request_id]
+            else:
+                self._tracked[out.request_id] = (request, len(times.token_times))
+        return syncs
