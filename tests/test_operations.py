@@ -190,7 +190,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero() -> None:
 # ------------------------------------------------------------------ faults and timeouts (a fault-injecting server)
 
 
-def test_step_fault_fails_only_its_step_then_timeouts_then_fatal_fault_exits_nonzero(llm, tokenizer) -> None:  # noqa: ANN001
+def test_step_fault_fails_only_its_step_then_timeouts_then_fatal_fault_restarts_the_core(llm, tokenizer) -> None:  # noqa: ANN001
     prefix = tokenizer.encode("Paged attention stores the key-value cache in fixed-size blocks. " * 6)
     flags = ("-q", "none", "--max-num-seqs", "2", "--request-timeout", "4", "--disable-log-stats")
     with live_server(*flags, module="tests.fault_server") as server:
@@ -229,8 +229,27 @@ def test_step_fault_fails_only_its_step_then_timeouts_then_fatal_fault_exits_non
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 408
         assert_idle(url)
 
-        # 3. a fault in the scheduler's bookkeeping is fatal: 503s, /health 503, exit status 1
+        # 3. a fault in the scheduler's bookkeeping is fatal to the engine core: its requests get 503, /health
+        # 503 while no core is up, then the core process is replaced and serving resumes with a clean cache
         dead = post(url, {"model": MODEL, "prompt": [POISON_FATAL, 5], "max_tokens": 4})
         assert dead.status_code == 503 and "engine stopped" in dead.json()["error"]["message"]
-        assert httpx.get(url + "/health").status_code == 503  # the process lingers ~1 s for the error bodies
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and health.json()["replicas"][0]["state"] in ("down", "restarting")
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine core was not restarted"
+            time.sleep(0.25)
+        assert httpx.get(url + "/health").json()["replicas"][0]["restarts"] == 1
+        again = post(url, {"model": MODEL, "prompt": prefix + [13], "max_tokens": 12, "temperature": 0})
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
+        assert metric_value(httpx.get(url + "/metrics").text, "tokenmill:replica_restarts_total") == 1.0
+
+
+def test_fatal_fault_with_the_core_in_a_thread_exits_nonzero() -> None:
+    """Without engine-core processes there is nothing to restart: the server exits 1 for its supervisor."""
+    with live_server("-q", "none", "--disable-log-stats", module="tests.fault_server",
+                     env={"TOKENMILL_ENABLE_MULTIPROCESSING": "0"}) as server:
+        dead = post(server.url, {"model": MODEL, "prompt": [POISON_FATAL, 5], "max_tokens": 4})
+        assert dead.status_code == 503 and "engine stopped" in dead.json()["error"]["message"]
+        assert httpx.get(server.url + "/health").status_code == 503  # the process lingers ~1 s for the errors
         assert server.proc.wait(timeout=30) == 1

@@ -33,7 +33,8 @@ def stream_text(stream) -> tuple[str, list]:  # noqa: ANN001
 
 def test_models_and_health(client: openai.OpenAI, base_url: str) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(base_url + "/health").json() == {"status": "ok"}
+    health = httpx.get(base_url + "/health").json()
+    assert health["status"] == "ok" and [r["state"] for r in health["replicas"]] == ["up"]
 
 
 def test_completion_greedy_stream_equals_non_stream_and_usage(client: openai.OpenAI, tokenizer) -> None:  # noqa: ANN001

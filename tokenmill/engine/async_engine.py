@@ -98,8 +98,9 @@ class AsyncLLM:
     @classmethod
     def from_engine(cls, engine: LLMEngine, max_waiting_requests: int | None = None) -> AsyncLLM:
         """One engine core stepping in a thread of this process, over an engine already built."""
-        return cls(engine.processor, engine.output_processor, [ThreadReplica(0, engine.core)], None,
-                   max_waiting_requests)
+        replica = ThreadReplica(0, engine.core)
+        replica.launch()
+        return cls(engine.processor, engine.output_processor, [replica], None, max_waiting_requests)
 
     @classmethod
     def launch(cls, config: EngineConfig, data_parallel_size: int = 1, router: str = "prefix-aware",
