@@ -45,6 +45,7 @@ class CoreInfo:
     clock: float = field(default_factory=time.monotonic)  # the core's monotonic clock when it said hello
     start_seconds: float = 0.0  # from process start to ready (imports, model load, warm-up)
     rss_bytes: int = 0  # the core process's resident memory when ready
+    cpus: list[int] | None = None  # the CPUs it is pinned to
 
 
 @dataclass

@@ -43,7 +43,7 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s[core {options.index}]: %(message)s")
     import torch
 
-    from tokenmill.engine.core_loop import Command, CoreDeath, CoreInfo, CoreLoop
+    from tokenmill.engine.core_loop import Command, CoreDeath, CoreInfo, CoreLoop, CoreReport
 
     if options.cpus:
         torch.set_num_threads(len(options.cpus))
@@ -66,7 +66,7 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
     core = engine.core
     reports.send_pyobj(CoreInfo(core.kv.num_blocks, core.kv.block_size,
                                 int(getattr(core.executor, "kv_cache_bytes", 0)), engine.max_model_len,
-                                start_seconds=time.monotonic() - started, rss_bytes=_rss_bytes()))
+                                start_seconds=time.monotonic() - started, rss_bytes=_rss_bytes(), cpus=options.cpus))
 
     def receive(block: bool) -> list[Command] | None:
         if not commands.poll(IDLE_POLL_MS if block else 0):
@@ -81,7 +81,10 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
                 return None
             received.append(command)
 
-    loop = CoreLoop(core, reports.send_pyobj, mirror_requests=True, send_plans=options.send_plans,
+    def publish(message: CoreReport | CoreDeath) -> None:
+        reports.send_pyobj(message)
+
+    loop = CoreLoop(core, publish, mirror_requests=True, send_plans=options.send_plans,
                     kv_events=options.kv_events)
     loop.run(receive)
     reports.close(linger=2000)

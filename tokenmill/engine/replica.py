@@ -158,7 +158,7 @@ class ProcessReplica(Replica):
         self.send_plans = send_plans
         self.kv_events = kv_events
         self.log_level = log_level
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._dir = tempfile.mkdtemp(prefix="tokenmill-ipc-")
         self._commands: zmq.Socket | None = None
         self._reports: zmq.Socket | None = None

@@ -443,7 +443,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         info = replica.info
         assert info is not None
         logger.info("engine core %d (pid %d%s): KV cache %d blocks x %d tokens = %d tokens (%.0f MiB)%s",
-                    replica.index, info.pid, f", CPUs {replica.cpus}" if getattr(replica, "cpus", None) else "",
+                    replica.index, info.pid, f", CPUs {info.cpus}" if info.cpus else "",
                     info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
                     info.kv_cache_bytes / 2**20,
                     f", started in {info.start_seconds:.1f} s, RSS {info.rss_bytes / 2**20:.0f} MiB"
