@@ -105,25 +105,30 @@ class AsyncLLM:
     @classmethod
     def launch(cls, config: EngineConfig, data_parallel_size: int = 1, router: str = "prefix-aware",
                send_plans: bool = False, log_level: str = "INFO") -> AsyncLLM:
-        """`data_parallel_size` engine-core processes, each pinned to its share of the CPUs, behind `router`.
-        Blocks until every core has loaded the model. This process reads only the tokenizer and the model's
-        metadata (weights load lazily, so it never reads them)."""
+        """`data_parallel_size` engine-core processes on this machine, each pinned to its share of the CPUs,
+        behind `router`. Blocks until every core has loaded the model."""
+        replicas: list[Replica] = [
+            ProcessReplica(i, config, cpu_share(i, data_parallel_size), send_plans,
+                           kv_events=data_parallel_size > 1, log_level=log_level)
+            for i in range(data_parallel_size)
+        ]
+        return cls.over_replicas(config, replicas, router)
+
+    @classmethod
+    def over_replicas(cls, config: EngineConfig, replicas: list[Replica], router: str) -> AsyncLLM:
+        """Launch the replicas side by side and build the front end over them. This process reads only the
+        tokenizer and the model's metadata (weights load lazily, so it never reads them)."""
         from tokenmill.model.loader import load_model
         from tokenmill.model.tokenizer import Tokenizer
 
         loaded = load_model(config.model)
         tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
         max_model_len, eos = model_limits(loaded, tokenizer, config)
-        replicas: list[Replica] = [
-            ProcessReplica(i, config, cpu_share(i, data_parallel_size), send_plans,
-                           kv_events=data_parallel_size > 1, log_level=log_level)
-            for i in range(data_parallel_size)
-        ]
         launch_all(replicas)
         capacity = min(r.info.num_kv_blocks * r.info.block_size for r in replicas if r.info is not None)
         processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity)
-        return cls(processor, OutputProcessor(tokenizer), replicas,
-                   make_router(router, data_parallel_size, config.block_size))
+        return cls(processor, OutputProcessor(tokenizer), replicas, make_router(router, len(replicas),
+                                                                                config.block_size))
 
     # ------------------------------------------------------------------ what the server reads
 

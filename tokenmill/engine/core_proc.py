@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ class CoreProcessOptions:
     send_plans: bool = False
     kv_events: bool = True
     log_level: str = "INFO"
+    num_threads: int | None = None  # torch threads when not pinned (default: one per CPU of `cpus`)
 
 
 def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
@@ -34,19 +36,22 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
     started = time.monotonic()
     # The API server owns the terminal and SIGTERM (it drains, then stops the cores); the core goes when told
     # to, or when its parent is gone.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threads = len(options.cpus) if options.cpus else options.num_threads
     if options.cpus:
         os.sched_setaffinity(0, options.cpus)
-        os.environ["OMP_NUM_THREADS"] = str(len(options.cpus))
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     logging.basicConfig(level=options.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[core {options.index}]: %(message)s")
     import torch
 
     from tokenmill.engine.core_loop import Command, CoreDeath, CoreInfo, CoreLoop, CoreReport
 
-    if options.cpus:
-        torch.set_num_threads(len(options.cpus))
+    if threads:
+        torch.set_num_threads(threads)
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     commands.connect(options.input_address)

@@ -167,25 +167,30 @@ class ProcessReplica(Replica):
         self._reader: threading.Thread | None = None
 
     def _spawn(self, options: CoreProcessOptions) -> Any:
+        """Start the core's process; the handle answers is_alive(), kill(), join(timeout) and exitcode as a
+        multiprocessing.Process does."""
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(self.config, options), name=f"tokenmill-core-{self.index}", daemon=True)
         process.start()
         return process
 
+    def _bind(self, sock: zmq.Socket, name: str) -> str:
+        """Bind a socket for this launch; returns the address the core connects to."""
+        address = f"ipc://{self._dir}/core{self.index}-{self.generation}-{name}"
+        sock.bind(address)
+        return address
+
     def launch(self) -> CoreInfo:
         self._shut_process(timeout=5.0)
         self.generation += 1
         self._closing.clear()
-        prefix = f"ipc://{self._dir}/core{self.index}-{self.generation}"
         commands = self._context.socket(zmq.PUSH)
         commands.setsockopt(zmq.LINGER, 0)
-        commands.bind(prefix + "-in")
         reports = self._context.socket(zmq.PULL)
         reports.setsockopt(zmq.LINGER, 0)
-        reports.bind(prefix + "-out")
         self._commands, self._reports = commands, reports
-        options = CoreProcessOptions(self.index, self.cpus, prefix + "-in", prefix + "-out", self.send_plans,
-                                     self.kv_events, self.log_level)
+        options = CoreProcessOptions(self.index, self.cpus, self._bind(commands, "in"), self._bind(reports, "out"),
+                                     self.send_plans, self.kv_events, self.log_level)
         self._process = self._spawn(options)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
