@@ -112,7 +112,8 @@ def _serve(args: argparse.Namespace) -> int:
         disable_log_stats=args.disable_log_stats, disable_access_log=args.disable_uvicorn_access_log,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         step_trace=args.step_trace, data_parallel_size=args.data_parallel_size, router=args.router,
-        distributed_executor_backend=args.distributed_executor_backend,
+        distributed_executor_backend=args.distributed_executor_backend, disaggregated=args.disaggregated,
+        kv_transport=args.kv_transport,
     )
     return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
                       log_level=args.log_level)
@@ -160,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
                        help="mp: engine cores as local processes; ray: as Ray actors on a running Ray cluster "
                             "(pip install 'tokenmill[ray]')")
+    serve.add_argument("--disaggregated", default=None, metavar="xPyD",
+                       help="prefill/decode disaggregation: x prefill engines and y decode engines (e.g. 1P1D), "
+                            "one process each, the CPUs split between them")
+    serve.add_argument("--kv-transport", choices=["shm", "tcp"], default="shm",
+                       help="how KV blocks move from prefill to decode engines: shared memory (one host) or TCP")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -62,6 +62,10 @@ class EngineConfig:
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     # (a dict, a JSON string or a tokenmill.spec_decode.SpeculativeConfig); None: no speculation
     speculative_config: Any = None
+    # Prefill/decode disaggregation (vLLM's kv_transfer_config roles): a "producer" engine runs prompts and
+    # saves their KV blocks through a connector; a "consumer" loads them and decodes. None: colocated.
+    kv_role: str | None = None
+    kv_transport: str = "shm"  # "shm" (engines on one host) or "tcp"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -83,6 +87,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "bf16"):
             raise ValueError(f"quantization must be auto, none, int8 or bf16, got {self.quantization!r}")
+        if self.kv_role not in (None, "producer", "consumer"):
+            raise ValueError(f"kv_role must be producer or consumer, got {self.kv_role!r}")
+        if self.kv_transport not in ("shm", "tcp"):
+            raise ValueError(f"kv_transport must be shm or tcp, got {self.kv_transport!r}")
         if self.priority_aging_per_s < 0:
             raise ValueError("priority_aging_per_s must be >= 0")
         from tokenmill.spec_decode.config import SpeculativeConfig

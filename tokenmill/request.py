@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.manager import StructuredOutputRequest
@@ -76,6 +77,9 @@ class Request:
         self.spec_pause_length = 0
         # Structured outputs: its grammar (compiling, then advanced by each emitted token); set by the scheduler.
         self.structured: StructuredOutputRequest | None = None
+        # Prefill/decode disaggregation: on a producer {"do_remote_decode": True} (save the prompt's KV when
+        # done); on a consumer the connector's parameters to load it from (cleared once loaded).
+        self.kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_tokens(self) -> int:

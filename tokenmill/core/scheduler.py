@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit
@@ -55,6 +56,7 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a producer's saved KV, for the decode engine
 
 
 @dataclass
@@ -104,6 +106,12 @@ class Scheduler:
         self.total_spec_draft_tokens = 0
         self.total_spec_accepted_tokens = 0
         self.last_stats = SchedulerStats()
+        # Disaggregation hooks, set by the engine core: a request about to free its blocks (a producer saves its
+        # prompt's KV), and a request admitted with remote KV (a consumer loads it into these blocks, from this
+        # block of the prompt on; returns an error message or None). Failed loads are collected here.
+        self.finish_hook: Callable[[Request], None] | None = None
+        self.kv_loader: Callable[[Request, int, list[int]], str | None] | None = None
+        self.kv_load_failures: list[tuple[str, str]] = []
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -150,6 +158,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus, keep_slot: bool = True) -> None:
         request.status = status
         request.times.finished = self.clock()
+        if self.finish_hook is not None and request.kv_transfer_params is not None:
+            self.finish_hook(request)
         if self.config.batching == "static" and keep_slot and request.request_id in self.kv.req_blocks:
             self.padding_rows.append(request)
         else:
@@ -253,6 +263,14 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hit = self.kv.find_cached_prefix(request)
+            if request.kv_transfer_params is not None and self.kv_loader is not None:
+                admitted = self._admit_with_remote_kv(request, hit, budget)
+                if admitted is None:
+                    break
+                if admitted:
+                    num_scheduled[request.request_id] = admitted
+                    budget -= admitted
+                continue
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget:
                 if partial >= self.config.max_num_partial_prefills:
@@ -266,6 +284,34 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _admit_with_remote_kv(self, request: Request, hit: PrefixHit, budget: int) -> int | None:
+        """Admit a request whose prompt another engine computed: allocate its blocks, load the KV of the prompt
+        positions the prefix cache lacks, and compute only the last prompt token, which samples the first output
+        token here (as in vLLM's disaggregation: the producer's own token is dropped, so sampling, seeds
+        included, happens where it would colocated). Returns the tokens scheduled, 0 if the load failed (the
+        request is ended), None if it must wait (no room yet: it waits here, nothing half-transferred)."""
+        assert self.kv_loader is not None
+        remote = request.num_tokens - 1  # positions whose KV comes from the producer
+        computed = max(remote, hit.num_tokens)
+        num_new = request.num_tokens - computed
+        if num_new > budget or self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit) is None:
+            return None
+        self.waiting.pop()
+        self._start_running(request, hit)
+        block_size = self.kv.block_size
+        first_block = hit.num_tokens // block_size
+        block_ids = self.kv.block_table(request.request_id)[first_block:-(-remote // block_size)]
+        error = self.kv_loader(request, first_block, block_ids if remote > hit.num_tokens else [])
+        request.kv_transfer_params = None  # loaded: a preemption now recomputes it like any request
+        if error is not None:
+            self.kv.forget_cached_blocks(request.request_id, hit.num_tokens)
+            self.running.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
+            self.kv_load_failures.append((request.request_id, error))
+            return 0
+        request.num_computed_tokens = computed
+        return num_new
 
     def _form_batch(self, budget: int, num_scheduled: dict[str, int]) -> int:
         """Dynamic/static: take up to max_num_seqs waiting requests as the next batch."""

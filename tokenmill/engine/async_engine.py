@@ -12,14 +12,17 @@ rotation and is relaunched; the others keep serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import EngineCoreOutput
 from tokenmill.engine.core import StepRecord
 from tokenmill.engine.core_loop import CoreDeath, CoreReport
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
@@ -54,6 +57,41 @@ StateListener = Callable[[int, int, float, int], None]  # (running, waiting, KV 
 ReplicaListener = Callable[[Replica], None]  # a replica changed state
 
 
+@dataclass
+class _Handoff:
+    """An engine request on its way from a prefill engine to a decode engine."""
+
+    request: Request  # the front end's copy
+    producer: int | None = None  # the prefill engine holding its saved KV
+    decode_at: int | None = None  # the decode engine it was sent to
+    prefill_done: float = 0.0
+    released: bool = False  # the prefill engine was told to drop the saved KV
+
+
+def prefill_copy(child: Request) -> Request:
+    """What a prefill engine runs: the prompt, one token, and a request to save the prompt's KV."""
+    # Its token is dropped (the decode engine samples the first one), so how it samples does not matter.
+    prefill = Request(child.request_id, child.prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0),
+                      child.eos_token_ids, child.times.arrival, child.priority, child.prompt)
+    prefill.max_total_tokens = child.num_prompt_tokens + 1
+    prefill.kv_transfer_params = {"do_remote_decode": True}
+    return prefill
+
+
+def decode_copy(child: Request, kv_transfer_params: dict[str, Any]) -> Request:
+    """What a decode engine runs: the whole request, with where the prompt's KV waits."""
+    decode = Request(child.request_id, child.prompt_token_ids, child.sampling_params, child.eos_token_ids,
+                     child.times.arrival, child.priority, child.prompt)
+    decode.max_total_tokens = child.max_total_tokens
+    decode.kv_transfer_params = kv_transfer_params
+    return decode
+
+
+def router_name(router: Router) -> str:
+    return {"RoundRobinRouter": "round-robin", "LeastLoadRouter": "least-load"}.get(type(router).__name__,
+                                                                                    "prefix-aware")
+
+
 class _Load:
     """What the front end knows of a replica's queue: its last report plus the adds sent since."""
 
@@ -81,18 +119,29 @@ class AsyncLLM:
         self.output_processor = output_processor
         self.replicas = replicas
         self.router = router or make_router("round-robin", len(replicas), processor.config.block_size)
+        # Disaggregated: `router` picks among the prefill engines, `decode_router` among the decode engines.
+        self.disaggregated = any(r.role is not None for r in replicas)
+        self.decode_router: Router | None = None
+        if self.disaggregated:
+            self.decode_router = make_router(router_name(self.router), len(replicas), processor.config.block_size)
+            self.router.excluded = {r.index for r in replicas if r.role != "producer"}
+            self.decode_router.excluded = {r.index for r in replicas if r.role != "consumer"}
+        self._handoffs: dict[str, _Handoff] = {}  # engine request -> its prefill/decode hand-off
         self.max_waiting_requests = max_waiting_requests or processor.config.max_waiting_requests
         self._loads = [_Load() for _ in replicas]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._parents: dict[str, str] = {}  # engine request (one per sample) -> the request id it belongs to
-        self._replica_of: dict[str, int] = {}  # request id -> the replica serving it
+        self._replica_of: dict[str, int] = {}  # engine request -> the replica serving it now
         self._restarts: set[asyncio.Task[None]] = set()
         self.step_listeners: list[StepListener] = []
         self.state_listeners: list[StateListener] = []
         self.route_listeners: list[Callable[[Decision], None]] = []
         self.replica_listeners: list[ReplicaListener] = []
         self.fatal_listeners: list[Callable[[BaseException], None]] = []  # no replica is left
+        # (engine request, KV bytes, transfer seconds, seconds from prefill done to KV loaded)
+        self.transfer_listeners: list[Callable[[str, int, float, float], None]] = []
+        self.pending_kv_listeners: list[Callable[[int, int], None]] = []  # (replica, saved KV not released)
         self.dead_error: BaseException | None = None
 
     @classmethod
@@ -111,6 +160,21 @@ class AsyncLLM:
             ProcessReplica(i, config, cpu_share(i, data_parallel_size), send_plans,
                            kv_events=data_parallel_size > 1, log_level=log_level)
             for i in range(data_parallel_size)
+        ]
+        return cls.over_replicas(config, replicas, router)
+
+    @classmethod
+    def launch_disaggregated(cls, config: EngineConfig, num_prefill: int, num_decode: int, transport: str = "shm",
+                             router: str = "prefix-aware", send_plans: bool = False,
+                             log_level: str = "INFO") -> AsyncLLM:
+        """`num_prefill` prefill engines and `num_decode` decode engines, one process each, the CPUs split
+        between them; KV moves from one to the other through `transport`."""
+        total = num_prefill + num_decode
+        replicas: list[Replica] = [
+            ProcessReplica(i, dataclasses.replace(config, kv_role="producer" if i < num_prefill else "consumer",
+                                                  kv_transport=transport),
+                           cpu_share(i, total), send_plans, kv_events=True, log_level=log_level)
+            for i in range(total)
         ]
         return cls.over_replicas(config, replicas, router)
 
@@ -163,10 +227,14 @@ class AsyncLLM:
 
         replica.start(deliver)
         replica.state = "up"
-        self.router.set_alive(index, True)
+        for router in self._routers():
+            router.set_alive(index, True)
         self._loads[index] = _Load()
         for listener in self.replica_listeners:
             listener(replica)
+
+    def _routers(self) -> list[Router]:
+        return [self.router] if self.decode_router is None else [self.router, self.decode_router]
 
     async def shutdown(self) -> None:
         for task in self._restarts:
@@ -194,13 +262,22 @@ class AsyncLLM:
         index = replica.index
         info = replica.info
         offset = time.monotonic() - info.clock if info is not None and info.hostname != _HOSTNAME else 0.0
+        core_outputs = report.outputs
+        if replica.role == "producer":
+            core_outputs = self._hand_off(replica, core_outputs)
         for sync in report.syncs:
+            if replica.role == "producer" and sync.request_id in self._handoffs:
+                continue  # the decode engine's timestamps are the request's
             request = self.output_processor.request(sync.request_id)
             if request is not None:
                 sync.apply(request, offset)
-        outputs, stopped = self.output_processor.process(report.outputs)
+        if report.kv_loaded:
+            self._on_kv_loaded(report.kv_loaded)
+        if report.failed and replica.role == "consumer":
+            self._release_kv(report.failed)
+        outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
-            replica.send("finish", stopped)
+            self._send_each("finish", stopped)
         for output in outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
@@ -211,8 +288,12 @@ class AsyncLLM:
             self._fail_requests(report.rejected, ValueError(report.rejected_error or "rejected by the engine"))
         load = self._loads[index]
         load.acknowledge(report.acked, report.waiting, report.load_tokens)
-        self.router.apply_events(index, report.kv_events)
-        self.router.set_load(index, load.total_tokens())
+        for router in self._routers():
+            router.apply_events(index, report.kv_events)
+            router.set_load(index, load.total_tokens())
+        if replica.role == "producer":
+            for pending_listener in self.pending_kv_listeners:
+                pending_listener(index, report.kv_pending)
         if report.record is not None:
             for step_listener in self.step_listeners:
                 step_listener(report.record, index)
@@ -222,15 +303,15 @@ class AsyncLLM:
 
     def _replica_down(self, replica: Replica, reason: str) -> None:
         replica.state = "down"
-        self.router.set_alive(replica.index, False)
+        for router in self._routers():
+            router.set_alive(replica.index, False)
         self._loads[replica.index] = _Load()
         error = EngineDeadError(reason)
-        failed = [rid for rid, i in self._replica_of.items() if i == replica.index]
+        failed = [child for child, i in self._replica_of.items() if i == replica.index]
         logger.error("engine core %d is down (%s): failing its %d requests", replica.index, reason, len(failed))
-        for request_id in failed:
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(error)
+        if replica.role == "consumer":
+            self._release_kv(failed)
+        self._fail_requests(failed, error)
         for listener in self.replica_listeners:
             listener(replica)
         if replica.can_restart:
@@ -310,20 +391,83 @@ class AsyncLLM:
         text, token_ids, children = self.processor.make_requests(
             request_id, prompt, params, time.monotonic() if arrival_time is None else arrival_time, priority,
             strict_max_tokens)
-        decision = self.router.route(token_ids)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._parents.update((child.request_id, request_id) for child in children)
+        self.output_processor.add(request_id, text, token_ids, children)
+        if self.disaggregated:  # the prompt runs on a prefill engine first (see _hand_off)
+            self._handoffs.update((child.request_id, _Handoff(child)) for child in children)
+            self._submit(self.router, [prefill_copy(child) for child in children], token_ids)
+        else:
+            self._submit(self.router, children, token_ids)
+        return RequestStream(self, request_id, children, queue)
+
+    def _submit(self, router: Router, children: list[Request], token_ids: list[int]) -> int:
+        """Route and send engine requests (the samples of one prompt go together); returns the replica."""
+        decision = router.route(token_ids)
         for listener in self.route_listeners:
             listener(decision)
         index = decision.replica
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._replica_of[request_id] = index
-        self._parents.update((child.request_id, request_id) for child in children)
-        self.output_processor.add(request_id, text, token_ids, children)
+        self._replica_of.update((child.request_id, index) for child in children)
         seq = self.replicas[index].send("add", children)
         load = self._loads[index]
         load.unacked.append((seq, len(children), len(token_ids) * len(children)))
-        self.router.set_load(index, load.total_tokens())
-        return RequestStream(self, request_id, children, queue)
+        for each in self._routers():
+            each.set_load(index, load.total_tokens())
+        return index
+
+    def _hand_off(self, producer: Replica, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """A prefill engine's outputs: a finished prompt goes on to a decode engine with where its KV is; its
+        token is dropped (the decode engine samples the first token itself). Returns the other outputs."""
+        kept = []
+        for out in outputs:
+            handoff = self._handoffs.get(out.request_id)
+            if handoff is None or handoff.decode_at is not None:
+                kept.append(out)
+                continue
+            if out.kv_transfer_params is None:  # aborted on the prefill engine: nothing to hand over
+                continue
+            handoff.producer = producer.index
+            handoff.prefill_done = time.monotonic()
+            if self.output_processor.request(out.request_id) is None:  # closed meanwhile
+                producer.send("release", [out.request_id])
+                self._handoffs.pop(out.request_id, None)
+                continue
+            decode = decode_copy(handoff.request, out.kv_transfer_params)
+            assert self.decode_router is not None
+            handoff.decode_at = self._submit(self.decode_router, [decode], decode.prompt_token_ids)
+        return kept
+
+    def _on_kv_loaded(self, loaded: list[tuple[str, int, float]]) -> None:
+        now = time.monotonic()
+        for request_id, nbytes, seconds in loaded:
+            handoff = self._handoffs.get(request_id)
+            handoff_seconds = now - handoff.prefill_done if handoff is not None else 0.0
+            for listener in self.transfer_listeners:
+                listener(request_id, nbytes, seconds, handoff_seconds)
+        self._release_kv([request_id for request_id, _, _ in loaded])
+
+    def _release_kv(self, child_ids: list[str]) -> None:
+        """Tell the prefill engines holding these requests' saved KV to drop it."""
+        by_producer: dict[int, list[str]] = {}
+        for child_id in child_ids:
+            handoff = self._handoffs.get(child_id)
+            if handoff is not None and handoff.producer is not None and not handoff.released:
+                handoff.released = True
+                by_producer.setdefault(handoff.producer, []).append(child_id)
+        for index, ids in by_producer.items():
+            if self.replicas[index].state == "up":
+                self.replicas[index].send("release", ids)
+
+    def _send_each(self, kind: str, child_ids: list[str]) -> None:
+        """Send a command about engine requests to the replicas serving them now."""
+        by_replica: dict[int, list[str]] = {}
+        for child_id in child_ids:
+            index = self._replica_of.get(child_id)
+            if index is not None and self.replicas[index].state == "up":
+                by_replica.setdefault(index, []).append(child_id)
+        for index, ids in by_replica.items():
+            self.replicas[index].send(kind, ids)
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -340,18 +484,21 @@ class AsyncLLM:
             self._parents.pop(child.request_id, None)
         if not finished:
             self.abort(request_id, children)
-        self._replica_of.pop(request_id, None)
+        ids = [child.request_id for child in children]
+        self._release_kv(ids)
+        for child_id in ids:
+            self._replica_of.pop(child_id, None)
+            self._handoffs.pop(child_id, None)
 
     def abort(self, request_id: str, children: list[Request] | None = None) -> None:
         ids = [c.request_id for c in children] if children else self.output_processor.child_ids(request_id)
         self.output_processor.abort(request_id)
-        index = self._replica_of.get(request_id)
-        if index is not None and self.replicas[index].state == "up":
-            self.replicas[index].send("abort", ids)
+        self._send_each("abort", ids)
 
     def replica_status(self) -> list[dict[str, Any]]:
         """One entry per replica for /health."""
-        return [{"replica": r.index, "state": r.state, "pid": r.pid, "restarts": r.restarts} for r in self.replicas]
+        return [{"replica": r.index, "state": r.state, "pid": r.pid, "restarts": r.restarts}
+                | ({"role": r.role} if r.role else {}) for r in self.replicas]
 
 
 def launch_all(replicas: list[Replica]) -> None:

@@ -6,12 +6,14 @@ import concurrent.futures
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.outputs import SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from tokenmill.executor.model_runner import Executor
+from tokenmill.kv_transfer.connector import KVBlocks, KVConnector, KVTransferError, make_connector, timed_load
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
@@ -53,6 +55,16 @@ class EngineCore:
         self.proposer = Proposer(spec, config, executor.num_kv_blocks) if spec is not None else None
         self.num_steps = 0
         self.last_step: StepRecord | None = None
+        # Prefill/decode disaggregation: a producer saves finished prompts' KV, a consumer loads it.
+        self.connector: KVConnector | None = None
+        self.kv_saved: dict[str, dict[str, Any]] = {}  # request id -> where its KV was saved (for its output)
+        self.kv_loaded: list[tuple[str, int, float]] = []  # (request id, bytes, seconds) not yet reported
+        if config.kv_role is not None:
+            self.connector = make_connector(config.kv_transport, serve=config.kv_role == "producer")
+            if config.kv_role == "producer":
+                self.scheduler.finish_hook = self._save_kv
+            else:
+                self.scheduler.kv_loader = self._load_kv
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -77,6 +89,9 @@ class EngineCore:
         except Exception as exc:
             raise ModelStepError(plan) from exc
         outputs = self.scheduler.update(plan, output)
+        if self.kv_saved:
+            for out in outputs:
+                out.kv_transfer_params = self.kv_saved.pop(out.request_id, None)
         self.num_steps += 1
         stats = self.scheduler.last_stats
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
@@ -86,6 +101,40 @@ class EngineCore:
         stats.num_running, stats.num_waiting, stats.kv_usage = self.current_state()
         self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats, plan, start)
         return outputs
+
+    def _save_kv(self, request: Request) -> None:
+        """Producer: a prompt run for a decode engine is done (its one token sampled): save its KV blocks."""
+        if request.status == RequestStatus.FINISHED_ABORTED or self.connector is None:
+            return
+        block_size = self.kv.block_size
+        num_tokens = request.num_prompt_tokens
+        block_ids = self.kv.block_table(request.request_id)[:-(-num_tokens // block_size)]
+        data = self.executor.read_kv_blocks(block_ids)  # type: ignore[attr-defined]
+        blocks = KVBlocks(data, request.block_hashes[:num_tokens // block_size], num_tokens)
+        self.kv_saved[request.request_id] = self.connector.save(request.request_id, blocks)
+
+    def _load_kv(self, request: Request, first_block: int, block_ids: list[int]) -> str | None:
+        """Consumer: load a request's prompt KV (from `first_block` on) into its blocks; an error message or None."""
+        assert self.connector is not None and request.kv_transfer_params is not None
+        if not block_ids:  # the prefix cache had every block
+            self.kv_loaded.append((request.request_id, 0, 0.0))
+            return None
+        try:
+            data, seconds = timed_load(self.connector, request.kv_transfer_params, first_block,
+                                       first_block + len(block_ids))
+        except KVTransferError as exc:
+            return f"KV transfer failed: {exc}"
+        if data.shape[0] < len(block_ids):
+            return f"KV transfer failed: {data.shape[0]} blocks arrived, {len(block_ids)} needed"
+        self.executor.write_kv_blocks(block_ids, data[:len(block_ids)])  # type: ignore[attr-defined]
+        self.kv_loaded.append((request.request_id, data.numel() * data.element_size(), seconds))
+        return None
+
+    def release_kv(self, request_ids: Iterable[str]) -> None:
+        """Producer: the decode engine has these requests' KV (or no longer needs it)."""
+        if self.connector is not None:
+            for request_id in request_ids:
+                self.connector.release(request_id)
 
     def fail_step(self, plan: SchedulerOutput) -> list[str]:
         """Abort the requests of a plan whose step raised; returns their ids. The step may have written part of

@@ -94,6 +94,8 @@ class CoreReport:
     error: str | None = None  # why they failed
     rejected: list[str] = field(default_factory=list)  # adds refused by the core (a race with validation)
     rejected_error: str | None = None
+    kv_loaded: list[tuple[str, int, float]] = field(default_factory=list)  # consumer: (request, bytes, seconds)
+    kv_pending: int = 0  # producer: saved KV not yet released
 
 
 @dataclass
@@ -171,6 +173,8 @@ class CoreLoop:
             elif kind == "finish":
                 core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
                 self._untrack(payload)
+            elif kind == "release":
+                core.release_kv(payload)
             self.acked = max(self.acked, seq)
         return rejected
 
@@ -183,10 +187,18 @@ class CoreLoop:
             core.kv.pool.events = []
         if record is not None and not self.send_plans:
             record = StepRecord(record.step, record.seconds, record.stats, None, record.started)
+        load_failures = core.scheduler.kv_load_failures
+        if load_failures:  # a consumer could not fetch these requests' KV: they fail like a failed step's
+            core.scheduler.kv_load_failures = []
+            self._untrack([request_id for request_id, _ in load_failures])
+            failed = (failed or []) + [request_id for request_id, _ in load_failures]
+            error = load_failures[0][1]
+        kv_loaded, core.kv_loaded = core.kv_loaded, []
         self.publish(CoreReport(
             outputs, record, running, waiting, kv_usage, core.load_tokens(), self.acked, events or [],
             self._syncs(outputs) if self.mirror_requests else [], failed or [], error,
             [request_id for request_id, _ in rejected or []], rejected[0][1] if rejected else None,
+            kv_loaded, core.connector.pending() if core.connector is not None else 0,
         ))
 
     def _untrack(self, request_ids: list[str]) -> None:

@@ -55,8 +55,9 @@ class Replica:
 
     can_restart = False
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, role: str | None = None) -> None:
         self.index = index
+        self.role = role  # disaggregated: "producer" (prefill) or "consumer" (decode); None: both
         self.state = "starting"
         self.info: CoreInfo | None = None
         self.restarts = 0
@@ -87,7 +88,7 @@ class ThreadReplica(Replica):
     """The core in a background thread of this process; commands through a deque drained between steps."""
 
     def __init__(self, index: int, core: EngineCore, send_plans: bool = True) -> None:
-        super().__init__(index)
+        super().__init__(index, core.config.kv_role)
         self.core = core
         self.send_plans = send_plans
         self._commands: deque[Command] = deque()
@@ -152,7 +153,7 @@ class ProcessReplica(Replica):
 
     def __init__(self, index: int, config: EngineConfig, cpus: list[int] | None, send_plans: bool = False,
                  kv_events: bool = True, log_level: str = "INFO") -> None:
-        super().__init__(index)
+        super().__init__(index, config.kv_role)
         self.config = config
         self.cpus = cpus
         self.send_plans = send_plans

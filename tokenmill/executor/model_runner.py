@@ -81,6 +81,20 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = random.Random(config.seed)  # seeds for requests that bring none
 
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The KV of these blocks, [blocks, layers, 2 (K, V), elements], for a KV connector to move."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack([k[index].reshape(len(block_ids), -1), v[index].reshape(len(block_ids), -1)],
+                                        dim=1) for k, v in self.kv_caches], dim=1).cpu()
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Store blocks read by `read_kv_blocks` (on another engine) into these blocks."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[index] = data[:, layer, 0].reshape(len(block_ids), *k.shape[1:]).to(k.dtype)
+            v[index] = data[:, layer, 1].reshape(len(block_ids), *v.shape[1:]).to(v.dtype)
+
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         generator = self._generators.get(request_id)
         if generator is None:

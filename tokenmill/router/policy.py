@@ -40,9 +40,10 @@ class Router:
 
     def __init__(self, num_replicas: int) -> None:
         self.replicas = [ReplicaView() for _ in range(num_replicas)]
+        self.excluded: set[int] = set()  # replicas this router never picks (another role's, disaggregated)
 
     def alive(self) -> list[int]:
-        live = [i for i, r in enumerate(self.replicas) if r.alive]
+        live = [i for i, r in enumerate(self.replicas) if r.alive and i not in self.excluded]
         if not live:
             raise RuntimeError("no replica is alive")
         return live

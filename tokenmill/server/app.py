@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -62,6 +63,8 @@ class ServerOptions:
     data_parallel_size: int = 1  # engine-core processes, each with its own model copy, KV pool and scheduler
     router: str = "prefix-aware"  # which replica gets a request (data parallel)
     distributed_executor_backend: str = "mp"  # where the engine cores run: "mp" (local processes) or "ray"
+    disaggregated: str | None = None  # "xPyD": x prefill engines and y decode engines instead of colocated ones
+    kv_transport: str = "shm"  # how KV moves between them: "shm" (one host) or "tcp"
 
 
 class APIError(Exception):
@@ -151,6 +154,8 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     llm.state_listeners.append(metrics.set_idle)
     llm.replica_listeners.append(lambda r: metrics.on_replica(r.index, r.state, r.restarts))
     llm.route_listeners.append(lambda d: metrics.on_route(d.replica, d.reason, d.matched_blocks))
+    llm.transfer_listeners.append(metrics.on_kv_transfer)
+    llm.pending_kv_listeners.append(metrics.on_kv_pending)
     if options.step_trace:
         from tokenmill.sim.trace import StepTraceWriter
 
@@ -401,6 +406,14 @@ async def _sse(builder: ResponseBuilder, merged: AsyncIterator[tuple[int, Reques
     yield "data: [DONE]\n\n"
 
 
+def parse_disaggregated(spec: str) -> tuple[int, int]:
+    """"1P1D" -> (1, 1): prefill and decode engine counts."""
+    match = re.fullmatch(r"(\d+)P(\d+)D", spec.strip().upper())
+    if not match or not int(match.group(1)) or not int(match.group(2)):
+        raise ValueError(f"--disaggregated takes xPyD with x, y >= 1 (e.g. 1P1D), got {spec!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
 def multiprocessing_enabled() -> bool:
     """Engine cores in their own processes (the default, as vLLM v1's VLLM_ENABLE_V1_MULTIPROCESSING)."""
     return os.environ.get("TOKENMILL_ENABLE_MULTIPROCESSING", "1") != "0"
@@ -408,6 +421,12 @@ def multiprocessing_enabled() -> bool:
 
 def start_front_end(config: EngineConfig, options: ServerOptions, log_level: str = "info") -> AsyncLLM:
     """Load the engine cores (blocking) and return the front end over them."""
+    if options.disaggregated:
+        if options.distributed_executor_backend != "mp" or not multiprocessing_enabled():
+            raise ValueError("--disaggregated runs its engines as local processes (--distributed-executor-backend mp)")
+        num_prefill, num_decode = parse_disaggregated(options.disaggregated)
+        return AsyncLLM.launch_disaggregated(config, num_prefill, num_decode, options.kv_transport, options.router,
+                                             bool(options.step_trace), log_level)
     if options.distributed_executor_backend == "ray":
         from tokenmill.engine.ray_backend import launch_on_ray
 

@@ -14,6 +14,8 @@ from tokenmill.engine.core import StepRecord
 from tokenmill.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_BYTE_BUCKETS = tuple(float(2**i) for i in range(16, 34, 2))
+_THROUGHPUT_BUCKETS = tuple(float(10**i) for i in range(6, 12))
 _TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -71,6 +73,18 @@ class EngineMetrics:
         self.router_matched_blocks = Counter("tokenmill:router_matched_blocks",
                                              "Prompt blocks the chosen replica held when routed for its prefix",
                                              per_replica, registry=r)
+        self.kv_transfer_bytes = Histogram("tokenmill:kv_transfer_bytes", "KV bytes moved to a decode engine per "
+                                           "request (disaggregated)", labels, buckets=_BYTE_BUCKETS, registry=r)
+        self.kv_transfer_seconds = Histogram("tokenmill:kv_transfer_seconds", "Time to fetch and store a request's "
+                                             "KV on the decode engine", labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.kv_transfer_throughput = Histogram("tokenmill:kv_transfer_throughput_bytes_per_second",
+                                                "KV transfer throughput per request", labels,
+                                                buckets=_THROUGHPUT_BUCKETS, registry=r)
+        self.kv_handoff_seconds = Histogram("tokenmill:kv_handoff_seconds", "From a prompt done on the prefill "
+                                            "engine to its KV loaded on the decode engine (queueing included)",
+                                            labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.kv_pending = Gauge("tokenmill:kv_transfer_pending", "Prompts whose saved KV a prefill engine still "
+                                "holds for a decode engine", per_replica, registry=r)
         self.model_name = model_name
         for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens):
             metric.labels(model_name)  # exposed (at zero) from the start
@@ -118,6 +132,17 @@ class EngineMetrics:
         if restarts > self._restarts_seen.get(index, 0):  # the counter follows the replica's own count
             self.replica_restarts.labels(m, r).inc(restarts - self._restarts_seen.get(index, 0))
             self._restarts_seen[index] = restarts
+
+    def on_kv_transfer(self, request_id: str, nbytes: int, seconds: float, handoff_seconds: float) -> None:
+        m = self.model_name
+        self.kv_transfer_bytes.labels(m).observe(nbytes)
+        self.kv_transfer_seconds.labels(m).observe(seconds)
+        if seconds > 0:
+            self.kv_transfer_throughput.labels(m).observe(nbytes / seconds)
+        self.kv_handoff_seconds.labels(m).observe(handoff_seconds)
+
+    def on_kv_pending(self, replica: int, pending: int) -> None:
+        self.kv_pending.labels(self.model_name, str(replica)).set(pending)
 
     def on_route(self, replica: int, reason: str, matched_blocks: int) -> None:
         m, r = self.model_name, str(replica)

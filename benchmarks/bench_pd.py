@@ -1,0 +1,100 @@
+"""Prefill/decode disaggregation on this machine: colocated (one engine on both cores, chunked prefill) vs 1P1D
+(a prefill engine and a decode engine on one core each, KV moved through shared memory).
+
+- `long-interference`: 4 short streams decoding (32-token prompts, 1,024 tokens each) when a 3,000-token prompt
+  arrives 2 s in: the worst gap of a short stream while the long prompt is prefilled, against the median
+  inter-token time, TPOT p50/p99, the long prompt's TTFT (transfer included).
+- `mixed`: 32 requests at once (prompts 32-512, outputs 8-512): throughput, TTFT, TPOT.
+- KV bytes moved per prompt token (from the server's counters).
+
+`python benchmarks/bench_pd.py` prints the table and writes the "disaggregation" section of docs/BENCHMARKS.md.
+Run it on an idle machine: the servers run one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+from typing import Any
+
+import httpx
+
+from tokenmill.bench import workloads
+from tokenmill.bench.loadgen import run_load
+from tokenmill.bench.report import machine_description, markdown_table, write_section
+from tokenmill.bench.server_process import live_server
+from tokenmill.bench.stats import summarize
+from tokenmill.bench.sweep import stream_gaps, worst_gap_during_long_prefill
+from tokenmill.model.loader import load_model
+from tokenmill.model.tokenizer import Tokenizer
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def metric_sum(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def measure(flags: list[str], tokenizer: Tokenizer) -> dict[str, Any]:
+    interference = workloads.long_interference(tokenizer, seed=0, short_output=1024, long_arrival=2.0)
+    mixed = workloads.mixed(tokenizer, 32, seed=0)
+    with live_server("--disable-log-stats", "--disable-uvicorn-access-log", *flags, omp_wait_policy=None) as server:
+        url = server.url
+        asyncio.run(run_load(url, MODEL, workloads.random_lengths(tokenizer, 2, 32, 16, seed=9), progress=False))
+        results, duration = asyncio.run(run_load(url, MODEL, interference, token_prompts=True, progress=False))
+        long_result = results[-1]
+        gaps = [b - a for a, b in stream_gaps(results)]
+        before = [b - a for a, b in stream_gaps(results) if b < long_result.start]
+        inter = summarize(results[:-1], duration)
+        mixed_results, mixed_duration = asyncio.run(run_load(url, MODEL, mixed, token_prompts=True, progress=False))
+        mix = summarize(mixed_results, mixed_duration)
+        moved = metric_sum(url, "tokenmill:kv_transfer_bytes_sum")
+    prompt_tokens = sum(len(i.prompt_token_ids) for i in interference + mixed) + 2 * 32
+    return {
+        "worst_gap": worst_gap_during_long_prefill(results), "median_gap": statistics.median(before or gaps),
+        "tpot_p50": inter["tpot_s"]["p50"], "tpot_p99": inter["tpot_s"]["p99"], "long_ttft": long_result.ttft,
+        "mixed_total": mix["total_token_throughput"], "mixed_output": mix["output_throughput"],
+        "mixed_ttft": mix["ttft_s"]["p50"], "mixed_tpot_p50": mix["tpot_s"]["p50"],
+        "mixed_tpot_p99": mix["tpot_s"]["p99"], "bytes_per_token": moved / prompt_tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    loaded = load_model(None)
+    tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
+    del loaded
+    setups = [("colocated, 1 engine x 2 cores", []), ("1P1D, 1 core each (shm)", ["--disaggregated", "1P1D"])]
+    rows = []
+    for name, flags in setups:
+        m = measure(flags, tokenizer)
+        rows.append([name, f"{m['worst_gap'] * 1e3:.0f} ({m['worst_gap'] / m['median_gap']:.1f}x)",
+                     round(m["median_gap"] * 1e3, 1), round(m["tpot_p50"] * 1e3, 1), round(m["tpot_p99"] * 1e3, 1),
+                     round(m["long_ttft"], 2), round(m["mixed_total"], 1), round(m["mixed_ttft"], 2),
+                     round(m["mixed_tpot_p50"] * 1e3, 1), round(m["mixed_tpot_p99"] * 1e3, 1),
+                     round(m["bytes_per_token"]) if m["bytes_per_token"] else "-"])
+        print(rows[-1], flush=True)
+    text = "\n".join([
+        "## Prefill/decode disaggregation (`python benchmarks/bench_pd.py`)", "",
+        f"Machine: {machine_description()}. Default engine settings (int8), OpenMP's default wait policy; the load "
+        "generator shares the 2 cores. `long-interference`: 4 short streams (32-token prompts, 1,024 tokens each) "
+        "and a 3,000-token prompt arriving 2 s in; `mixed`: 32 requests at once (prompts 32-512, outputs 8-512).",
+        "",
+        markdown_table(["setup", "worst short-stream gap during the long prefill, ms (x median)",
+                        "median inter-token ms", "short TPOT p50 ms", "short TPOT p99 ms", "long prompt TTFT s",
+                        "32 mixed: total tok/s", "32 mixed: TTFT p50 s", "32 mixed: TPOT p50 ms",
+                        "32 mixed: TPOT p99 ms", "KV bytes moved per prompt token"], rows),
+    ])
+    print(text)
+    if not args.no_write:
+        write_section("disaggregation", text)
+        print("wrote docs/BENCHMARKS.md (disaggregation)")
+
+
+if __name__ == "__main__":
+    main()

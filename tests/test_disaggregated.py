@@ -1,0 +1,67 @@
+"""`tokenmill serve --disaggregated 1P1D`: a prefill engine and a decode engine, one process each, the prompt's
+KV moved between them. One live server (real model, float32) for the whole story."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from tests.conftest import LONG_PARAGRAPH, PLAIN_PROMPTS
+from tests.server_utils import live_server
+from tests.test_data_parallel import series, wait_idle
+from tests.test_operations import in_thread, post, read_sse
+from tokenmill.sampling_params import SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def test_1p1d_matches_colocated_frees_everything_and_survives_a_killed_prefill_engine(llm) -> None:  # noqa: ANN001
+    params = SamplingParams(max_tokens=16, temperature=0)
+    expected = [o.outputs[0].text for o in llm.generate(PLAIN_PROMPTS, params)]
+    with live_server("-q", "none", "--disaggregated", "1P1D", "--disable-log-stats") as server:
+        url = server.url
+        health = httpx.get(url + "/health").json()
+        assert [(r["role"], r["state"]) for r in health["replicas"]] == [("producer", "up"), ("consumer", "up")]
+
+        # 1. alone, then all at once, streamed or not: the colocated engine's greedy outputs
+        body = {"model": MODEL, "max_tokens": 16, "temperature": 0}
+        assert post(url, {**body, "prompt": PLAIN_PROMPTS[1]}).json()["choices"][0]["text"] == expected[1]
+        events: list[Any] = []
+        read_sse(url, {**body, "prompt": PLAIN_PROMPTS[3]}, events, threading.Event())
+        assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)) == expected[3]
+        responses: dict[int, httpx.Response] = {}
+        threads = [in_thread(lambda i=i, p=p: responses.__setitem__(i, post(url, {**body, "prompt": p})))
+                   for i, p in enumerate(PLAIN_PROMPTS)]
+        for t in threads:
+            t.join(120)
+        assert [responses[i].json()["choices"][0]["text"] for i in range(len(PLAIN_PROMPTS))] == expected
+        moved = series(url, "tokenmill:kv_transfer_bytes_count")
+        assert sum(moved.values()) == len(PLAIN_PROMPTS) + 2
+        wait_idle(url)
+        assert series(url, "tokenmill:kv_transfer_pending") == {f'model_name="{MODEL}",replica="0"': 0.0}
+
+        # 2. the prefill engine killed while prompts queue on it: theirs fail (503), the ones already
+        # decoding finish, and the prefill engine comes back
+        long_prompt = LONG_PARAGRAPH * 17
+        streams: list[list[Any]] = [[] for _ in range(6)]
+        started = [threading.Event() for _ in range(6)]
+        threads = [in_thread(read_sse, url, {**body, "prompt": f"{i}. {long_prompt}", "max_tokens": 64,
+                                             "ignore_eos": True}, streams[i], started[i]) for i in range(6)]
+        assert started[0].wait(120)
+        os.kill(health["replicas"][0]["pid"], signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        failed = [s for s in streams if isinstance(s[-2], dict) and "error" in s[-2]]
+        assert failed and all(s[-2]["error"]["code"] == 503 for s in failed)
+        assert streams[0][-1] == "[DONE]" and sum(len(e["choices"]) for e in streams[0] if isinstance(e, dict)) == 64
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/health").json()["status"] != "ok":
+            assert time.monotonic() < deadline, "the prefill engine did not come back"
+            time.sleep(0.25)
+        assert post(url, {**body, "prompt": PLAIN_PROMPTS[2]}).json()["choices"][0]["text"] == expected[2]
+        wait_idle(url)

@@ -1,0 +1,162 @@
+"""Prefill/decode disaggregation: the KV transports, the runner's block reads and writes, and a prefill engine
+handing prompts to a decode engine (in-process here; tests/test_disaggregated.py runs the processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.conftest import LONG_PARAGRAPH, PLAIN_PROMPTS
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.replica import Replica, ThreadReplica
+from tokenmill.kv_transfer.connector import (
+    KVBlocks,
+    KVTransferError,
+    SharedMemoryConnector,
+    TCPConnector,
+    make_connector,
+)
+from tokenmill.router.policy import make_router
+from tokenmill.sampling_params import SamplingParams
+
+
+def blocks(n: int = 5) -> KVBlocks:
+    return KVBlocks(torch.randn(n, 3, 2, 64), list(range(100, 100 + n - 1)), n * 16 - 3)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_transport_round_trip_partial_fetch_release(transport: str) -> None:
+    producer, consumer = make_connector(transport), make_connector(transport, serve=False)
+    try:
+        saved = blocks()
+        params = producer.save("r1", saved)
+        assert producer.pending() == 1 and params["block_hashes"] == saved.block_hashes
+        assert torch.equal(consumer.load(params, 0), saved.data)
+        assert torch.equal(consumer.load(params, 2, 4), saved.data[2:4])  # only the blocks it lacks
+        producer.release("r1")
+        assert producer.pending() == 0
+        with pytest.raises(KVTransferError):
+            consumer.load(params, 0)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_shared_memory_corruption_is_detected() -> None:
+    from multiprocessing import shared_memory
+
+    producer = SharedMemoryConnector()
+    try:
+        params = producer.save("r1", blocks())
+        segment = shared_memory.SharedMemory(name=params["segment"])
+        block_nbytes = 3 * 2 * 64 * 4
+        segment.buf[3 * block_nbytes + 17] ^= 0xFF  # one bit pattern in block 3
+        segment.close()
+        assert torch.equal(SharedMemoryConnector().load(params, 0, 3), producer_data(params, producer)[:3])
+        with pytest.raises(KVTransferError, match="block 3 failed its checksum"):
+            SharedMemoryConnector().load(params, 0)
+    finally:
+        producer.close()
+
+
+def producer_data(params: dict, producer: SharedMemoryConnector) -> torch.Tensor:  # noqa: ANN001
+    """The blocks as the producer saved them (read back without verification, for comparison)."""
+    segment = producer._segments[params["request_id"]]
+    raw = bytes(segment.buf[:5 * 3 * 2 * 64 * 4])
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(5, 3, 2, 64)
+
+
+def test_tcp_corruption_and_silent_server_fail_within_the_timeout() -> None:
+    producer = TCPConnector()
+    consumer = TCPConnector(serve=False, timeout=0.5)
+    try:
+        params = producer.save("r1", blocks())
+        header, raw = producer._saved["r1"]
+        broken = bytearray(raw)
+        broken[5] ^= 0x01
+        producer._saved["r1"] = (header, bytes(broken))  # corrupted at rest: the per-block CRC catches it
+        with pytest.raises(KVTransferError, match="block 0 failed its checksum"):
+            consumer.load(params, 0)
+        # a server that accepts and never answers
+        silent = socket.create_server(("127.0.0.1", 0))
+        started = time.monotonic()
+        with pytest.raises(KVTransferError):
+            consumer.load({**params, "host": "127.0.0.1", "port": silent.getsockname()[1]}, 0)
+        assert time.monotonic() - started < 5
+        silent.close()
+    finally:
+        producer.close()
+
+
+def test_runner_reads_and_writes_kv_blocks(llm) -> None:  # noqa: ANN001
+    runner = llm.engine.core.executor
+    data = runner.read_kv_blocks([1, 2])
+    new = torch.randn_like(data)
+    runner.write_kv_blocks([5, 7], new)
+    assert torch.equal(runner.read_kv_blocks([5, 7]), new)
+    runner.write_kv_blocks([5, 7], runner.read_kv_blocks([1, 2]))
+    assert torch.equal(runner.read_kv_blocks([5, 7]), data)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_prefill_engine_hands_prompts_to_a_decode_engine_with_identical_greedy_outputs(
+        llm, loaded_model, tokenizer, transport: str) -> None:  # noqa: ANN001
+    """1P1D in one process (engine cores in threads): outputs equal the colocated engine's, the decode engine
+    fetches only blocks its prefix cache lacks, and afterwards no block and no saved KV is left on either side,
+    including for a request closed right after its hand-off."""
+    prompts = PLAIN_PROMPTS + ["You are a pirate. " + LONG_PARAGRAPH * 3 + q for q in ("Why?", "How?")]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    engines = [LLMEngine.from_loaded(EngineConfig(quantization="none", kv_role=role, kv_transport=transport),
+                                     loaded_model, tokenizer) for role in ("producer", "consumer")]
+    replicas: list[Replica] = [ThreadReplica(i, e.core) for i, e in enumerate(engines)]
+    for replica in replicas:
+        replica.launch()
+    transfers: dict[str, int] = {}  # engine request -> KV bytes moved
+
+    async def run() -> list[str]:
+        front = AsyncLLM(engines[0].processor, engines[0].output_processor, replicas,
+                         make_router("prefix-aware", 2, 16))
+        front.transfer_listeners.append(lambda request_id, nbytes, *_: transfers.__setitem__(request_id, nbytes))
+        await front.start()
+
+        async def one(i: int, prompt: str) -> str:
+            text = ""
+            async for out in front.generate(f"p{i}", prompt, params):
+                text = out.outputs[0].text
+            return text
+
+        texts = list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[:-1]))))
+        texts.append(await one(len(prompts) - 1, prompts[-1]))  # after its twin: a prefix hit on the decode side
+        # closed right after the hand-off: nothing may stay behind
+        stream = front.add_request("gone", prompts[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        while front._handoffs.get("gone") is None or front._handoffs["gone"].decode_at is None:
+            await asyncio.sleep(0.005)
+        stream.close()
+        await asyncio.sleep(0.3)
+        await front.shutdown()
+        return texts
+
+    try:
+        texts = asyncio.run(run())
+        assert texts == expected
+        assert {f"p{i}" for i in range(len(prompts))} <= set(transfers)  # ("gone" may not have loaded)
+        # the second pirate prompt found the shared blocks in the decode engine's cache: fewer bytes moved
+        first, second = transfers[f"p{len(prompts) - 2}"], transfers[f"p{len(prompts) - 1}"]
+        assert 0 < second < first / 4
+        for engine in engines:
+            assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+            assert not engine.core.has_unfinished_requests()
+        assert engines[0].core.connector is not None and engines[0].core.connector.pending() == 0
+    finally:
+        for engine in engines:
+            if engine.core.connector is not None:
+                engine.core.connector.close()
+    assert threading.active_count() < 50

@@ -1,0 +1,1 @@
+"""Moving KV blocks between engines (prefill/decode disaggregation)."""
