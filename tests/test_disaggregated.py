@@ -47,11 +47,11 @@ def test_1p1d_matches_colocated_frees_everything_and_survives_a_killed_prefill_e
 
         # 2. the prefill engine killed while prompts queue on it: theirs fail (503), the ones already
         # decoding finish, and the prefill engine comes back
-        long_prompt = LONG_PARAGRAPH * 17
-        streams: list[list[Any]] = [[] for _ in range(6)]
-        started = [threading.Event() for _ in range(6)]
+        long_prompt = LONG_PARAGRAPH * 30  # ~1,300 tokens each: the prefill engine is busy for seconds
+        streams: list[list[Any]] = [[] for _ in range(10)]
+        started = [threading.Event() for _ in range(10)]
         threads = [in_thread(read_sse, url, {**body, "prompt": f"{i}. {long_prompt}", "max_tokens": 64,
-                                             "ignore_eos": True}, streams[i], started[i]) for i in range(6)]
+                                             "ignore_eos": True}, streams[i], started[i]) for i in range(10)]
         assert started[0].wait(120)
         os.kill(health["replicas"][0]["pid"], signal.SIGKILL)
         for t in threads:

@@ -4,6 +4,7 @@ handing prompts to a decode engine (in-process here; tests/test_disaggregated.py
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -49,28 +50,25 @@ def test_transport_round_trip_partial_fetch_release(transport: str) -> None:
         consumer.close()
 
 
-def test_shared_memory_corruption_is_detected() -> None:
-    from multiprocessing import shared_memory
-
+def test_shared_memory_corruption_and_a_vanished_file_are_detected() -> None:
     producer = SharedMemoryConnector()
     try:
-        params = producer.save("r1", blocks())
-        segment = shared_memory.SharedMemory(name=params["segment"])
+        saved = blocks()
+        params = producer.save("r1", saved)
         block_nbytes = 3 * 2 * 64 * 4
-        segment.buf[3 * block_nbytes + 17] ^= 0xFF  # one bit pattern in block 3
-        segment.close()
-        assert torch.equal(SharedMemoryConnector().load(params, 0, 3), producer_data(params, producer)[:3])
+        with open(params["path"], "r+b") as f:
+            f.seek(3 * block_nbytes + 17)
+            byte = f.read(1)
+            f.seek(3 * block_nbytes + 17)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        assert torch.equal(SharedMemoryConnector().load(params, 0, 3), saved.data[:3])  # blocks before it are fine
         with pytest.raises(KVTransferError, match="block 3 failed its checksum"):
+            SharedMemoryConnector().load(params, 0)
+        os.unlink(params["path"])
+        with pytest.raises(KVTransferError, match="gone"):
             SharedMemoryConnector().load(params, 0)
     finally:
         producer.close()
-
-
-def producer_data(params: dict, producer: SharedMemoryConnector) -> torch.Tensor:  # noqa: ANN001
-    """The blocks as the producer saved them (read back without verification, for comparison)."""
-    segment = producer._segments[params["request_id"]]
-    raw = bytes(segment.buf[:5 * 3 * 2 * 64 * 4])
-    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(5, 3, 2, 64)
 
 
 def test_tcp_corruption_and_silent_server_fail_within_the_timeout() -> None:

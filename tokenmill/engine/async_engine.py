@@ -29,6 +29,7 @@ from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, model_limits
 from tokenmill.engine.replica import Message, ProcessReplica, Replica, ReplicaExit, ThreadReplica, cpu_share
+from tokenmill.kv_transfer.connector import discard
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request
 from tokenmill.router.policy import Decision, Router, make_router
@@ -65,6 +66,7 @@ class _Handoff:
     producer: int | None = None  # the prefill engine holding its saved KV
     decode_at: int | None = None  # the decode engine it was sent to
     prefill_done: float = 0.0
+    kv_transfer_params: dict[str, Any] | None = None  # where the prefill engine saved the prompt's KV
     released: bool = False  # the prefill engine was told to drop the saved KV
 
 
@@ -429,6 +431,7 @@ class AsyncLLM:
                 continue
             handoff.producer = producer.index
             handoff.prefill_done = time.monotonic()
+            handoff.kv_transfer_params = out.kv_transfer_params
             if self.output_processor.request(out.request_id) is None:  # closed meanwhile
                 producer.send("release", [out.request_id])
                 self._handoffs.pop(out.request_id, None)
@@ -455,6 +458,9 @@ class AsyncLLM:
             if handoff is not None and handoff.producer is not None and not handoff.released:
                 handoff.released = True
                 by_producer.setdefault(handoff.producer, []).append(child_id)
+                params = handoff.kv_transfer_params or {}
+                if params.get("transport") == "shm":  # gone even if the prefill engine died meanwhile
+                    discard(params["path"])
         for index, ids in by_producer.items():
             if self.replicas[index].state == "up":
                 self.replicas[index].send("release", ids)

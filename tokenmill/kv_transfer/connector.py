@@ -14,17 +14,19 @@ frames with a CRC32 per block, timeouts). A GPU transport (NIXL, NCCL) would imp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import socket
 import struct
+import tempfile
 import threading
 import time
 import uuid
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
@@ -49,7 +51,7 @@ class KVBlocks:
     num_tokens: int  # prompt tokens they hold (the last block may be partly filled)
 
     def checksums(self) -> list[int]:
-        raw = memoryview(_as_bytes(self.data))
+        raw = _as_bytes(self.data).data
         per_block = raw.nbytes // max(1, self.data.shape[0])
         return [zlib.crc32(raw[i * per_block:(i + 1) * per_block]) for i in range(self.data.shape[0])]
 
@@ -60,10 +62,6 @@ def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _from_bytes(raw: bytes | memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(_DTYPES[dtype]).reshape(shape)
 
 
 def _verify(raw: memoryview | bytes, checksums: list[int], block_nbytes: int, first_block: int) -> None:
@@ -99,59 +97,57 @@ def _header(request_id: str, blocks: KVBlocks) -> dict[str, Any]:
 
 
 class SharedMemoryConnector(KVConnector):
-    """Engines on one host: the producer writes a request's blocks into a named shared-memory segment, the
-    consumer copies the blocks it lacks out of it. The producer unlinks the segment on release."""
+    """Engines on one host: the producer writes a request's blocks to a file in shared memory (/dev/shm), the
+    consumer reads the blocks it lacks straight into its buffer, the producer unlinks the file on release."""
 
-    def __init__(self) -> None:
-        self._segments: dict[str, shared_memory.SharedMemory] = {}
+    def __init__(self, directory: str | None = None) -> None:
+        self.directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self._files: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def save(self, request_id: str, blocks: KVBlocks) -> dict[str, Any]:
-        raw = _as_bytes(blocks.data)
-        segment = shared_memory.SharedMemory(name=f"tmkv-{uuid.uuid4().hex[:16]}", create=True,
-                                             size=max(1, raw.nbytes))
-        buffer = segment.buf
-        assert buffer is not None
-        np.frombuffer(buffer, dtype=np.uint8, count=raw.nbytes)[:] = raw
+        path = os.path.join(self.directory, f"tokenmill-kv-{os.getpid()}-{uuid.uuid4().hex[:16]}")
+        with open(path, "wb") as f:
+            f.write(_as_bytes(blocks.data).data)
         with self._lock:
             self.release(request_id)
-            self._segments[request_id] = segment
-        return {"transport": "shm", "segment": segment.name, **_header(request_id, blocks)}
+            self._files[request_id] = path
+        return {"transport": "shm", "path": path, **_header(request_id, blocks)}
 
     def load(self, params: dict[str, Any], first_block: int, end_block: int | None = None) -> torch.Tensor:
         shape = list(params["shape"])
         end = shape[0] if end_block is None else min(end_block, shape[0])
+        block_nbytes = _DTYPES[params["dtype"]].itemsize * int(np.prod(shape[1:]))
+        buffer = bytearray((end - first_block) * block_nbytes)
         try:
-            segment = shared_memory.SharedMemory(name=params["segment"])
+            with open(params["path"], "rb") as f:
+                f.seek(first_block * block_nbytes)
+                got = f.readinto(buffer)
         except FileNotFoundError as exc:
             raise KVTransferError(f"the KV of request {params['request_id']} is gone from shared memory") from exc
-        # Attaching registers the segment with this process's resource tracker, which would unlink it when
-        # this process exits: the producer owns it.
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-        try:
-            block_nbytes = _DTYPES[params["dtype"]].itemsize * int(np.prod(shape[1:]))
-            buffer = segment.buf
-            assert buffer is not None
-            raw = buffer[first_block * block_nbytes:end * block_nbytes]
-            _verify(raw, params["crc32"][first_block:end], block_nbytes, first_block)
-            tensor = _from_bytes(raw, params["dtype"], [end - first_block, *shape[1:]])
-            del raw, buffer
-        finally:
-            segment.close()
-        return tensor
+        if got != len(buffer):
+            raise KVTransferError(f"the KV of request {params['request_id']} is truncated")
+        _verify(memoryview(buffer), params["crc32"][first_block:end], block_nbytes, first_block)
+        return torch.frombuffer(buffer, dtype=torch.uint8).view(_DTYPES[params["dtype"]]).reshape(
+            [end - first_block, *shape[1:]])
 
     def release(self, request_id: str) -> None:
-        segment = self._segments.pop(request_id, None)
-        if segment is not None:
-            segment.close()
-            segment.unlink()
+        path = self._files.pop(request_id, None)
+        if path is not None:
+            discard(path)
 
     def pending(self) -> int:
-        return len(self._segments)
+        return len(self._files)
 
     def close(self) -> None:
-        for request_id in list(self._segments):
+        for request_id in list(self._files):
             self.release(request_id)
+
+
+def discard(path: str) -> None:
+    """Remove a saved request's shared-memory file (a producer that died cannot)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 _FRAME = struct.Struct("!QI")  # payload length, CRC32 of the payload
