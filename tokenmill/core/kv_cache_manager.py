@@ -89,11 +89,13 @@ class KVCacheManager:
         self.prefix_hits += num_hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
-                       reserve_tokens: int = 0) -> list[KVBlock] | None:
+                       reserve_tokens: int = 0, cache: bool = True) -> list[KVBlock] | None:
         """Make room for `num_new_tokens` after the computed ones (and cache hits); None when out of blocks.
 
         `reserve_tokens` asks for capacity up to that many tokens at once (static batching reserves a
-        request's maximum length up front). Nothing is changed when the answer is None.
+        request's maximum length up front). `cache=False` leaves the new full blocks out of the prefix-cache
+        index (their KV is filled later, by a transfer: `cache_full_blocks` then). Nothing is changed when the
+        answer is None.
         """
         blocks = self.req_blocks.setdefault(request.request_id, [])
         hit_blocks = hit.blocks if hit else []
@@ -111,10 +113,12 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(to_allocate)
         blocks.extend(new_blocks)
         self._block_ids.setdefault(request.request_id, []).extend(b.block_id for b in hit_blocks + new_blocks)
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        if cache:
+            self.cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the request's full blocks holding its first `num_tokens` tokens in the prefix cache."""
         if not self.enable_caching:
             return
         self._update_hashes(request)

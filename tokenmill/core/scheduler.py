@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit
@@ -80,6 +80,19 @@ class SchedulerStats:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
+class KVLoader(Protocol):
+    """Fetches a request's remote KV into its blocks in the background (the engine core's, disaggregated)."""
+
+    def start(self, request: Request, first_block: int, block_ids: list[int]) -> None: ...
+
+    def skip(self, request: Request) -> None:
+        """Nothing to fetch (the prefix cache had it): reported done at the next poll."""
+
+    def poll(self) -> list[tuple[str, str | None, int, float]]:
+        """Loads done since the last poll: (request id, error or None, bytes, seconds)."""
+        ...
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic,
@@ -110,8 +123,10 @@ class Scheduler:
         # prompt's KV), and a request admitted with remote KV (a consumer loads it into these blocks, from this
         # block of the prompt on; returns an error message or None). Failed loads are collected here.
         self.finish_hook: Callable[[Request], None] | None = None
-        self.kv_loader: Callable[[Request, int, list[int]], str | None] | None = None
+        self.kv_loader: KVLoader | None = None
+        self.loading: dict[str, tuple[Request, PrefixHit]] = {}  # admitted, blocks held, KV still arriving
         self.kv_load_failures: list[tuple[str, str]] = []
+        self.kv_loaded: list[tuple[str, int, float]] = []  # (request, bytes, seconds) not yet reported
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -147,11 +162,17 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+            if request_id in self.loading:  # its KV is being written: the blocks go when the load is done
+                request.status = status
+                request.times.finished = self.clock()
+                del self.requests[request_id]
+                self._finished_since_plan.append(request_id)
             else:
-                self.waiting.remove(request)
-            self._finish(request, status, keep_slot)
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                self._finish(request, status, keep_slot)
             ended.append(request_id)
         return ended
 
@@ -172,7 +193,7 @@ class Scheduler:
             self.padding_rows.clear()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or len(self.waiting))
+        return bool(self.running or len(self.waiting) or self.loading)
 
     @property
     def num_waiting(self) -> int:
@@ -181,6 +202,8 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
+        if self.loading:
+            self._finish_loads()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: list[Request] = []
@@ -260,16 +283,13 @@ class Scheduler:
         partial = sum(1 for r in self.running
                       if r.request_id in num_scheduled
                       and r.num_computed_tokens + num_scheduled[r.request_id] < r.num_tokens)
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (len(self.waiting) and budget > 0
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting.peek()
             hit = self.kv.find_cached_prefix(request)
             if request.kv_transfer_params is not None and self.kv_loader is not None:
-                admitted = self._admit_with_remote_kv(request, hit, budget)
-                if admitted is None:
+                if not self._admit_with_remote_kv(request, hit):
                     break
-                if admitted:
-                    num_scheduled[request.request_id] = admitted
-                    budget -= admitted
                 continue
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget:
@@ -285,33 +305,49 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _admit_with_remote_kv(self, request: Request, hit: PrefixHit, budget: int) -> int | None:
-        """Admit a request whose prompt another engine computed: allocate its blocks, load the KV of the prompt
-        positions the prefix cache lacks, and compute only the last prompt token, which samples the first output
-        token here (as in vLLM's disaggregation: the producer's own token is dropped, so sampling, seeds
-        included, happens where it would colocated). Returns the tokens scheduled, 0 if the load failed (the
-        request is ended), None if it must wait (no room yet: it waits here, nothing half-transferred)."""
+    def _admit_with_remote_kv(self, request: Request, hit: PrefixHit) -> bool:
+        """Admit a request whose prompt another engine computed: allocate its blocks and start loading the KV of
+        the prompt positions the prefix cache lacks; steps go on meanwhile. False when it must wait (no room
+        yet: it waits here, nothing half-transferred)."""
         assert self.kv_loader is not None
         remote = request.num_tokens - 1  # positions whose KV comes from the producer
-        computed = max(remote, hit.num_tokens)
-        num_new = request.num_tokens - computed
-        if num_new > budget or self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit) is None:
-            return None
+        if self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit, cache=False) is None:
+            return False
         self.waiting.pop()
-        self._start_running(request, hit)
-        block_size = self.kv.block_size
-        first_block = hit.num_tokens // block_size
-        block_ids = self.kv.block_table(request.request_id)[first_block:-(-remote // block_size)]
-        error = self.kv_loader(request, first_block, block_ids if remote > hit.num_tokens else [])
-        request.kv_transfer_params = None  # loaded: a preemption now recomputes it like any request
-        if error is not None:
-            self.kv.forget_cached_blocks(request.request_id, hit.num_tokens)
-            self.running.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
-            self.kv_load_failures.append((request.request_id, error))
-            return 0
-        request.num_computed_tokens = computed
-        return num_new
+        self.loading[request.request_id] = (request, hit)
+        if remote > hit.num_tokens:
+            block_size = self.kv.block_size
+            first_block = hit.num_tokens // block_size
+            block_ids = self.kv.block_table(request.request_id)[first_block:-(-remote // block_size)]
+            self.kv_loader.start(request, first_block, block_ids)
+        else:  # the prefix cache had all of it
+            self.kv_loader.skip(request)
+        return True
+
+    def _finish_loads(self) -> None:
+        """Requests whose KV has arrived start running, computing only the last prompt token, which samples the
+        first output token here (as in vLLM's disaggregation: the producer's own token is dropped, so sampling,
+        seeds included, happens where it would colocated). A failed load ends its request with the error."""
+        assert self.kv_loader is not None
+        for request_id, error, nbytes, seconds in self.kv_loader.poll():
+            request, hit = self.loading.pop(request_id)
+            request.kv_transfer_params = None  # loaded: a preemption now recomputes it like any request
+            if request.is_finished:  # aborted while its KV was being written
+                self.kv.free(request_id)
+                continue
+            if error is not None:
+                self.kv.free(request_id)
+                request.status = RequestStatus.FINISHED_ABORTED
+                request.times.finished = self.clock()
+                del self.requests[request_id]
+                self._finished_since_plan.append(request_id)
+                self.kv_load_failures.append((request_id, error))
+                continue
+            remote = request.num_tokens - 1
+            self.kv.cache_full_blocks(request, remote)
+            self.kv_loaded.append((request_id, nbytes, seconds))
+            self._start_running(request, hit)
+            request.num_computed_tokens = max(remote, hit.num_tokens)
 
     def _form_batch(self, budget: int, num_scheduled: dict[str, int]) -> int:
         """Dynamic/static: take up to max_num_seqs waiting requests as the next batch."""
@@ -526,6 +562,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         owners = set(self.kv.req_blocks)
-        expected = {r.request_id for r in self.running} | {r.request_id for r in self.padding_rows}
+        expected = ({r.request_id for r in self.running} | {r.request_id for r in self.padding_rows}
+                    | set(self.loading))
         if not owners <= expected:
             raise AssertionError(f"blocks held by requests that are not running: {owners - expected}")

@@ -13,14 +13,16 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.outputs import SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from tokenmill.executor.model_runner import Executor
-from tokenmill.kv_transfer.connector import KVBlocks, KVConnector, KVTransferError, make_connector, timed_load
+from tokenmill.kv_transfer.connector import KVBlocks, KVConnector, make_connector
+from tokenmill.kv_transfer.loader import BackgroundKVLoader
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.structured_output.manager import StructuredOutputManager
 
-# With nothing runnable but requests whose grammar is compiling, the loop waits this long for one at most.
-GRAMMAR_WAIT_S = 0.05
+# With nothing runnable but requests whose grammar is compiling or whose KV is arriving, the loop waits this
+# long for one at most.
+IDLE_WAIT_S = 0.05
 
 
 @dataclass
@@ -57,14 +59,15 @@ class EngineCore:
         self.last_step: StepRecord | None = None
         # Prefill/decode disaggregation: a producer saves finished prompts' KV, a consumer loads it.
         self.connector: KVConnector | None = None
+        self.kv_loader: BackgroundKVLoader | None = None
         self.kv_saved: dict[str, dict[str, Any]] = {}  # request id -> where its KV was saved (for its output)
-        self.kv_loaded: list[tuple[str, int, float]] = []  # (request id, bytes, seconds) not yet reported
         if config.kv_role is not None:
             self.connector = make_connector(config.kv_transport, serve=config.kv_role == "producer")
             if config.kv_role == "producer":
                 self.scheduler.finish_hook = self._save_kv
             else:
-                self.scheduler.kv_loader = self._load_kv
+                self.kv_loader = BackgroundKVLoader(self.connector, executor)
+                self.scheduler.kv_loader = self.kv_loader
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -81,9 +84,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        if plan.is_empty and self.scheduler.loading and self.kv_loader is not None:
+            self.kv_loader.wait(IDLE_WAIT_S)  # only KV transfers in flight: wait for one, do not spin
         if plan.is_empty and self.scheduler.compiling:  # do not spin while the grammar worker needs the CPU
             concurrent.futures.wait([r.structured.pending for r in self.scheduler.compiling  # type: ignore[union-attr]
-                                     ], GRAMMAR_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+                                     ], IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
         try:
             output = self.executor.execute(plan)
         except Exception as exc:
@@ -112,23 +117,6 @@ class EngineCore:
         data = self.executor.read_kv_blocks(block_ids)  # type: ignore[attr-defined]
         blocks = KVBlocks(data, request.block_hashes[:num_tokens // block_size], num_tokens)
         self.kv_saved[request.request_id] = self.connector.save(request.request_id, blocks)
-
-    def _load_kv(self, request: Request, first_block: int, block_ids: list[int]) -> str | None:
-        """Consumer: load a request's prompt KV (from `first_block` on) into its blocks; an error message or None."""
-        assert self.connector is not None and request.kv_transfer_params is not None
-        if not block_ids:  # the prefix cache had every block
-            self.kv_loaded.append((request.request_id, 0, 0.0))
-            return None
-        try:
-            data, seconds = timed_load(self.connector, request.kv_transfer_params, first_block,
-                                       first_block + len(block_ids))
-        except KVTransferError as exc:
-            return f"KV transfer failed: {exc}"
-        if data.shape[0] < len(block_ids):
-            return f"KV transfer failed: {data.shape[0]} blocks arrived, {len(block_ids)} needed"
-        self.executor.write_kv_blocks(block_ids, data[:len(block_ids)])  # type: ignore[attr-defined]
-        self.kv_loaded.append((request.request_id, data.numel() * data.element_size(), seconds))
-        return None
 
     def release_kv(self, request_ids: Iterable[str]) -> None:
         """Producer: the decode engine has these requests' KV (or no longer needs it)."""

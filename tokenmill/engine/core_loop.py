@@ -193,7 +193,7 @@ class CoreLoop:
             self._untrack([request_id for request_id, _ in load_failures])
             failed = (failed or []) + [request_id for request_id, _ in load_failures]
             error = load_failures[0][1]
-        kv_loaded, core.kv_loaded = core.kv_loaded, []
+        kv_loaded, core.scheduler.kv_loaded = core.scheduler.kv_loaded, []
         self.publish(CoreReport(
             outputs, record, running, waiting, kv_usage, core.load_tokens(), self.acked, events or [],
             self._syncs(outputs) if self.mirror_requests else [], failed or [], error,

@@ -88,12 +88,21 @@ class ModelRunner:
                                         dim=1) for k, v in self.kv_caches], dim=1).cpu()
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Store blocks read by `read_kv_blocks` (on another engine) into these blocks."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        data = data.to(self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k[index] = data[:, layer, 0].reshape(len(block_ids), *k.shape[1:]).to(k.dtype)
-            v[index] = data[:, layer, 1].reshape(len(block_ids), *v.shape[1:]).to(v.dtype)
+        """Store blocks read by `read_kv_blocks` (on another engine) into these blocks. Safe beside a running
+        step as long as no step touches these blocks: on CPU the copy is numpy's (no OpenMP team for the
+        calling thread, and the GIL released), as raw bytes, so any cache dtype goes."""
+        data = data.to(self.device, self.kv_caches[0][0].dtype)
+        if self.device.type != "cpu":
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k[index] = data[:, layer, 0].reshape(len(block_ids), *k.shape[1:])
+                v[index] = data[:, layer, 1].reshape(len(block_ids), *v.shape[1:])
+            return
+        index_np = np.asarray(block_ids, dtype=np.int64)
+        for layer, caches in enumerate(self.kv_caches):
+            for which, cache in enumerate(caches):
+                target = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()
+                target[index_np] = data[:, layer, which].contiguous().view(torch.uint8).numpy()
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         generator = self._generators.get(request_id)
