@@ -88,7 +88,15 @@ def main() -> None:
         markdown_table(["setup", "worst short-stream gap during the long prefill, ms (x median)",
                         "median inter-token ms", "short TPOT p50 ms", "short TPOT p99 ms", "long prompt TTFT s",
                         "32 mixed: total tok/s", "32 mixed: TTFT p50 s", "32 mixed: TPOT p50 ms",
-                        "32 mixed: TPOT p99 ms", "KV bytes moved per prompt token"], rows),
+                        "32 mixed: TPOT p99 ms", "KV bytes moved per prompt token"], rows), "",
+        "Colocated, the short streams stall while each chunk of the long prompt runs (chunked prefill bounds the "
+        "stall by the token budget, not by the prompt's context, and a late chunk attends to thousands of "
+        "tokens). Disaggregated, the decode engine never runs a prompt: what is left of the stall comes with the "
+        "hand-off (the decode engine copies the prompt's KV, paced, in a background thread, on the one core it "
+        "shares with the API server and the load generator). Disaggregation loses on this machine where a "
+        "prompt's speed matters: each side has half the cores, so a long prompt's TTFT and the total "
+        "throughput drop. It wins where decode latency is the SLO and each side can be sized for its own load "
+        "(GPU servers; `tokenmill sim` answers for given hardware).",
     ])
     print(text)
     if not args.no_write:

@@ -66,7 +66,7 @@ class EngineCore:
             if config.kv_role == "producer":
                 self.scheduler.finish_hook = self._save_kv
             else:
-                self.kv_loader = BackgroundKVLoader(self.connector, executor)
+                self.kv_loader = BackgroundKVLoader(self.connector, executor, busy=lambda: bool(self.scheduler.running))
                 self.scheduler.kv_loader = self.kv_loader
 
     def add_request(self, request: Request) -> None:

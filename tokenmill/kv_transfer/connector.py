@@ -35,7 +35,7 @@ import torch
 logger = logging.getLogger("tokenmill.kv_transfer")
 
 TRANSPORTS = ("shm", "tcp")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class KVTransferError(RuntimeError):
@@ -117,7 +117,7 @@ class SharedMemoryConnector(KVConnector):
     def load(self, params: dict[str, Any], first_block: int, end_block: int | None = None) -> torch.Tensor:
         shape = list(params["shape"])
         end = shape[0] if end_block is None else min(end_block, shape[0])
-        block_nbytes = _DTYPES[params["dtype"]].itemsize * int(np.prod(shape[1:]))
+        block_nbytes = DTYPES[params["dtype"]].itemsize * int(np.prod(shape[1:]))
         buffer = bytearray((end - first_block) * block_nbytes)
         try:
             with open(params["path"], "rb") as f:
@@ -128,7 +128,7 @@ class SharedMemoryConnector(KVConnector):
         if got != len(buffer):
             raise KVTransferError(f"the KV of request {params['request_id']} is truncated")
         _verify(memoryview(buffer), params["crc32"][first_block:end], block_nbytes, first_block)
-        return torch.frombuffer(buffer, dtype=torch.uint8).view(_DTYPES[params["dtype"]]).reshape(
+        return torch.frombuffer(buffer, dtype=torch.uint8).view(DTYPES[params["dtype"]]).reshape(
             [end - first_block, *shape[1:]])
 
     def release(self, request_id: str) -> None:
@@ -247,11 +247,11 @@ class TCPConnector(KVConnector):
         except (OSError, ValueError) as exc:
             raise KVTransferError(f"fetching the KV of request {params['request_id']} failed: {exc!r}") from exc
         shape = list(header["shape"])
-        block_nbytes = _DTYPES[header["dtype"]].itemsize * int(np.prod(shape[1:]))
+        block_nbytes = DTYPES[header["dtype"]].itemsize * int(np.prod(shape[1:]))
         if len(raw) != (end - first_block) * block_nbytes:
             raise KVTransferError(f"expected {end - first_block} KV blocks, got {len(raw)} bytes")
         _verify(memoryview(raw), header["crc32"][first_block:end], block_nbytes, first_block)
-        return torch.frombuffer(raw, dtype=torch.uint8).view(_DTYPES[header["dtype"]]).reshape(
+        return torch.frombuffer(raw, dtype=torch.uint8).view(DTYPES[header["dtype"]]).reshape(
             [end - first_block, *shape[1:]])
 
     def release(self, request_id: str) -> None:
