@@ -18,7 +18,6 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -30,6 +29,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, model_limits
 from tokenmill.engine.replica import Message, ProcessReplica, Replica, ReplicaExit, ThreadReplica, cpu_share
 from tokenmill.kv_transfer.connector import discard
+from tokenmill.kv_transfer.handoff import Handoff, decode_copy, prefill_copy
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request
 from tokenmill.router.policy import Decision, Router, make_router
@@ -56,42 +56,6 @@ MAX_LAUNCH_ATTEMPTS = 3
 StepListener = Callable[[StepRecord, int], None]  # (record, replica)
 StateListener = Callable[[int, int, float, int], None]  # (running, waiting, KV usage, replica) when no step ran
 ReplicaListener = Callable[[Replica], None]  # a replica changed state
-
-
-@dataclass
-class _Handoff:
-    """An engine request on its way from a prefill engine to a decode engine."""
-
-    request: Request  # the front end's copy
-    producer: int | None = None  # the prefill engine holding its saved KV
-    decode_at: int | None = None  # the decode engine it was sent to
-    prefill_done: float = 0.0
-    kv_transfer_params: dict[str, Any] | None = None  # where the prefill engine saved the prompt's KV
-    released: bool = False  # the prefill engine was told to drop the saved KV
-
-
-def prefill_copy(child: Request) -> Request:
-    """What a prefill engine runs: the prompt, one token, and a request to save the prompt's KV."""
-    # Its token is dropped (the decode engine samples the first one), so how it samples does not matter.
-    prefill = Request(child.request_id, child.prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0),
-                      child.eos_token_ids, child.times.arrival, child.priority, child.prompt)
-    prefill.max_total_tokens = child.num_prompt_tokens + 1
-    prefill.kv_transfer_params = {"do_remote_decode": True}
-    return prefill
-
-
-def decode_copy(child: Request, kv_transfer_params: dict[str, Any]) -> Request:
-    """What a decode engine runs: the whole request, with where the prompt's KV waits."""
-    decode = Request(child.request_id, child.prompt_token_ids, child.sampling_params, child.eos_token_ids,
-                     child.times.arrival, child.priority, child.prompt)
-    decode.max_total_tokens = child.max_total_tokens
-    decode.kv_transfer_params = kv_transfer_params
-    return decode
-
-
-def router_name(router: Router) -> str:
-    return {"RoundRobinRouter": "round-robin", "LeastLoadRouter": "least-load"}.get(type(router).__name__,
-                                                                                    "prefix-aware")
 
 
 class _Load:
@@ -125,10 +89,10 @@ class AsyncLLM:
         self.disaggregated = any(r.role is not None for r in replicas)
         self.decode_router: Router | None = None
         if self.disaggregated:
-            self.decode_router = make_router(router_name(self.router), len(replicas), processor.config.block_size)
+            self.decode_router = make_router(self.router.name, len(replicas), processor.config.block_size)
             self.router.excluded = {r.index for r in replicas if r.role != "producer"}
             self.decode_router.excluded = {r.index for r in replicas if r.role != "consumer"}
-        self._handoffs: dict[str, _Handoff] = {}  # engine request -> its prefill/decode hand-off
+        self._handoffs: dict[str, Handoff] = {}  # engine request -> its prefill/decode hand-off
         self.max_waiting_requests = max_waiting_requests or processor.config.max_waiting_requests
         self._loads = [_Load() for _ in replicas]
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -398,7 +362,7 @@ class AsyncLLM:
         self._parents.update((child.request_id, request_id) for child in children)
         self.output_processor.add(request_id, text, token_ids, children)
         if self.disaggregated:  # the prompt runs on a prefill engine first (see _hand_off)
-            self._handoffs.update((child.request_id, _Handoff(child)) for child in children)
+            self._handoffs.update((child.request_id, Handoff(child)) for child in children)
             self._submit(self.router, [prefill_copy(child) for child in children], token_ids)
         else:
             self._submit(self.router, children, token_ids)

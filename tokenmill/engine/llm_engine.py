@@ -25,10 +25,6 @@ class LLMEngine:
                  eos_token_ids: tuple[int, ...], vocab_size: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size
         self.structured_output = StructuredOutputManager(tokenizer.backend, vocab_size, eos_token_ids)
         self.core = EngineCore(config, executor, max_model_len, clock, self.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
@@ -49,6 +45,22 @@ class LLMEngine:
         runner = ModelRunner(config, loaded.config, loaded.weights)
         max_model_len, eos = model_limits(loaded, tokenizer, config)
         return cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.processor.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.processor.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
 
     @property
     def scheduler(self) -> Scheduler:

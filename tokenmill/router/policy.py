@@ -38,6 +38,8 @@ class Decision:
 class Router:
     """Base: replica bookkeeping shared by the policies."""
 
+    name = ""  # the --router value
+
     def __init__(self, num_replicas: int) -> None:
         self.replicas = [ReplicaView() for _ in range(num_replicas)]
         self.excluded: set[int] = set()  # replicas this router never picks (another role's, disaggregated)
@@ -74,6 +76,8 @@ class Router:
 
 
 class RoundRobinRouter(Router):
+    name = "round-robin"
+
     def __init__(self, num_replicas: int) -> None:
         super().__init__(num_replicas)
         self._next = itertools.count()
@@ -84,6 +88,8 @@ class RoundRobinRouter(Router):
 
 
 class LeastLoadRouter(Router):
+    name = "least-load"
+
     def route(self, prompt_token_ids: Sequence[int]) -> Decision:
         return Decision(self.least_loaded(), "load")
 
@@ -93,6 +99,8 @@ class PrefixAwareRouter(Router):
     loaded replica carries more than `balance_abs_threshold` tokens more than the least, and more than
     `balance_rel_threshold` times as much, the least loaded gets it (SGLang's router has the same two
     thresholds, counted in requests; here in tokens). With no cached prefix anywhere, the least loaded."""
+
+    name = "prefix-aware"
 
     def __init__(self, num_replicas: int, block_size: int, balance_abs_threshold: int = 4096,
                  balance_rel_threshold: float = 1.5) -> None:
