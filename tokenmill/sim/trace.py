@@ -25,7 +25,7 @@ class StepTraceWriter:
             return
         shape = StepShape.of(record.plan)
         busy = record.stats.num_running + record.stats.num_waiting > 0
-        self.file.write(json.dumps({"step": record.step, "start": round(record.started, 6),
+        self.file.write(json.dumps({"replica": replica, "step": record.step, "start": round(record.started, 6),
                                     "seconds": round(record.seconds, 6), "busy_after": busy,
                                     "sequences": shape.sequences}, separators=(",", ":")) + "\n")
 
