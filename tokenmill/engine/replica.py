@@ -126,9 +126,6 @@ class ThreadReplica(Replica):
         self._wake.set()
         return seq
 
-    def pending_adds(self) -> int:
-        return sum(1 for _, kind, _ in list(self._commands) if kind == "add")
-
     def stop(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wake.set()

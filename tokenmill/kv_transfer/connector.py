@@ -64,6 +64,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def block_nbytes(header: dict[str, Any]) -> int:
+    """Bytes of one block as saved: [layers, 2, elements] in the header's dtype."""
+    return DTYPES[header["dtype"]].itemsize * int(np.prod(header["shape"][1:]))
+
+
 def _verify(raw: memoryview | bytes, checksums: list[int], block_nbytes: int, first_block: int) -> None:
     for i, expected in enumerate(checksums):
         if zlib.crc32(raw[i * block_nbytes:(i + 1) * block_nbytes]) != expected:
@@ -117,17 +122,17 @@ class SharedMemoryConnector(KVConnector):
     def load(self, params: dict[str, Any], first_block: int, end_block: int | None = None) -> torch.Tensor:
         shape = list(params["shape"])
         end = shape[0] if end_block is None else min(end_block, shape[0])
-        block_nbytes = DTYPES[params["dtype"]].itemsize * int(np.prod(shape[1:]))
-        buffer = bytearray((end - first_block) * block_nbytes)
+        nbytes = block_nbytes(params)
+        buffer = bytearray((end - first_block) * nbytes)
         try:
             with open(params["path"], "rb") as f:
-                f.seek(first_block * block_nbytes)
+                f.seek(first_block * nbytes)
                 got = f.readinto(buffer)
         except FileNotFoundError as exc:
             raise KVTransferError(f"the KV of request {params['request_id']} is gone from shared memory") from exc
         if got != len(buffer):
             raise KVTransferError(f"the KV of request {params['request_id']} is truncated")
-        _verify(memoryview(buffer), params["crc32"][first_block:end], block_nbytes, first_block)
+        _verify(memoryview(buffer), params["crc32"][first_block:end], nbytes, first_block)
         return torch.frombuffer(buffer, dtype=torch.uint8).view(DTYPES[params["dtype"]]).reshape(
             [end - first_block, *shape[1:]])
 
@@ -247,10 +252,10 @@ class TCPConnector(KVConnector):
         except (OSError, ValueError) as exc:
             raise KVTransferError(f"fetching the KV of request {params['request_id']} failed: {exc!r}") from exc
         shape = list(header["shape"])
-        block_nbytes = DTYPES[header["dtype"]].itemsize * int(np.prod(shape[1:]))
-        if len(raw) != (end - first_block) * block_nbytes:
+        nbytes = block_nbytes(header)
+        if len(raw) != (end - first_block) * nbytes:
             raise KVTransferError(f"expected {end - first_block} KV blocks, got {len(raw)} bytes")
-        _verify(memoryview(raw), header["crc32"][first_block:end], block_nbytes, first_block)
+        _verify(memoryview(raw), header["crc32"][first_block:end], nbytes, first_block)
         return torch.frombuffer(raw, dtype=torch.uint8).view(DTYPES[header["dtype"]]).reshape(
             [end - first_block, *shape[1:]])
 

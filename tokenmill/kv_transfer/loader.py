@@ -9,7 +9,6 @@ to 140-300 ms against 18 ms; paced, the prompt's first token comes later by abou
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -17,9 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
-from tokenmill.kv_transfer.connector import DTYPES, KVConnector, KVTransferError, timed_load
+from tokenmill.kv_transfer.connector import KVConnector, KVTransferError, block_nbytes, timed_load
 from tokenmill.request import Request
 
 
@@ -49,9 +46,7 @@ class BackgroundKVLoader:
         self._finish(request.request_id, None, 0, 0.0)
 
     def _load(self, request_id: str, params: dict[str, Any], first_block: int, block_ids: list[int]) -> None:
-        shape = params["shape"]
-        block_nbytes = max(1, int(torch.tensor([], dtype=_dtype(params)).element_size() * math.prod(shape[1:])))
-        per_piece = max(1, self.piece_bytes // block_nbytes)
+        per_piece = max(1, self.piece_bytes // max(1, block_nbytes(params)))
         nbytes, seconds = 0, 0.0
         try:
             for start in range(0, len(block_ids), per_piece):
@@ -89,6 +84,3 @@ class BackgroundKVLoader:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-
-def _dtype(params: dict[str, Any]) -> torch.dtype:
-    return DTYPES[params["dtype"]]
