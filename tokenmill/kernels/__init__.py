@@ -46,7 +46,9 @@ def load_library(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: native kernel %s disabled, using the torch fallback", name)
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + " ".join(sorted(cpu_flags())).encode())
+    headers = b"".join(h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))  # shared helpers (vec_exp.h)
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(_FLAGS).encode()
+                         + " ".join(sorted(cpu_flags())).encode())
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -92,25 +94,27 @@ def _dequantize_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 @functools.cache
-def _gemm_packed_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _grouped_fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
     lib = load_library("int8_rows")
-    if lib is None or not lib.int8_gemm_packed_available():
+    if lib is None or not lib.int8_grouped_available():
         return None
-    return _function("int8_rows", "int8_gemm_packed", [_PTR, _PTR, _PTR, _I64, _I64, _I64])
+    quantize = _function("int8_rows", "quantize_groups", [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR])
+    linear = _function("int8_rows", "int8_linear_grouped", [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64])
+    assert quantize is not None and linear is not None
+    return quantize, linear
 
 
-# Up to this many activation rows the packed VNNI kernel beats oneDNN (it streams the weights at memory speed);
-# beyond, the GEMM is compute-bound and oneDNN's cache blocking wins (benchmarks/bench_kernels.py).
-GEMM_PACKED_MAX_ROWS = 64
+INT8_GROUP = 32  # activations share one int8 scale per row and 32 consecutive input features (int8_rows.c)
 
 
-def int8_gemm_packed_available() -> bool:
-    return _gemm_packed_fn() is not None
+def int8_grouped_available() -> bool:
+    """Whether this CPU runs the grouped-activation int8 kernel (AVX512-VNNI)."""
+    return _grouped_fns() is not None
 
 
 def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
     """int8 weight [n, k] (k a multiple of 4) -> packed [ceil(n/16), k/4, 16, 4] holding w + 128 as unsigned
-    bytes, the layout `int8_gemm_packed` reads (see int8_rows.c)."""
+    bytes, the layout `int8_linear_grouped` reads (see int8_rows.c)."""
     n, k = weight.shape
     padded = -(-n // 16) * 16
     rows = torch.zeros(padded, k, dtype=torch.int8)
@@ -119,34 +123,29 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
     return offset.reshape(padded // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
-@functools.cache
-def _linear_packed_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if _gemm_packed_fn() is None:
-        return None
-    return _function("int8_rows", "int8_linear_packed", [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64])
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, k] float32 (k a multiple of 32, rows contiguous) -> (q [rows, k] int8, scales [rows, k/32],
+    corr [rows, k/32] int32 = 128 * each group's sum of q)."""
+    fns = _grouped_fns()
+    assert fns is not None and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] % INT8_GROUP == 0
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=torch.int8)
+    scales = torch.empty(rows, k // INT8_GROUP)
+    corr = torch.empty(rows, k // INT8_GROUP, dtype=torch.int32)
+    fns[0](x.data_ptr(), rows, k, x.stride(0), q.data_ptr(), scales.data_ptr(), corr.data_ptr())
+    return q, scales, corr
 
 
-def int8_linear_packed(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                       n: int) -> torch.Tensor:
-    """The whole two-level int8 linear for x [rows, k] float32 (rows contiguous) in one native call: the same
-    result as quantize_two_level + int8_gemm_packed + dequantize_two_level."""
-    fn = _linear_packed_fn()
-    assert fn is not None and x.dtype == torch.float32 and x.stride(1) == 1 and packed.shape[1] * 4 == x.shape[1]
+def int8_linear_grouped(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                        n: int) -> torch.Tensor:
+    """The int8 linear for x [rows, k] float32 (rows contiguous, k a multiple of 32) in one native call:
+    activations quantized per group of 32, exact int32 group sums, float accumulation over the groups."""
+    fns = _grouped_fns()
+    assert fns is not None and x.dtype == torch.float32 and x.stride(1) == 1 and packed.shape[1] * 4 == x.shape[1]
+    assert x.shape[1] % INT8_GROUP == 0
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), weight_scale.data_ptr(),
-       None if bias is None else bias.data_ptr(), out.data_ptr(), n)
-    return out
-
-
-def int8_gemm_packed(q: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Exact q [rows, k] int8 x weight [n, k] int8 (packed by `pack_vnni`) -> int32 [rows, n]; the same result
-    as `torch._int_mm(q, weight.t())`."""
-    fn = _gemm_packed_fn()
-    assert fn is not None and q.is_contiguous() and packed.is_contiguous()
-    rows, k = q.shape
-    assert k % 4 == 0 and packed.shape[1] * 4 == k
-    out = torch.empty(rows, n, dtype=torch.int32)
-    fn(q.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, n, k)
+    fns[1](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), weight_scale.data_ptr(),
+           None if bias is None else bias.data_ptr(), out.data_ptr(), n)
     return out
 
 
@@ -227,7 +226,7 @@ def prepare() -> str:
     ready = {
         "attention": _attention_fn() is not None,
         "int8 rows": int8_rows_available(),
-        "VNNI int8 GEMM": int8_gemm_packed_available(),
+        "VNNI int8 GEMM": int8_grouped_available(),
         "layer ops": _layer_fns() is not None,
         "token bitmask": _bitmask_fn() is not None,
     }

@@ -4,6 +4,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vec_exp.h"
+
 #define PARALLEL_MIN_ELEMENTS 65536
 
 // residual += delta (when delta is given); out = weight * (residual * rsqrt(mean(residual^2) + eps))
@@ -66,6 +68,16 @@ void silu_and_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *g = gate_up + r * 2 * n, *u = g + n;
         float *o = out + r * n;
+#if defined(__AVX512F__)
+        for (int64_t j = 0; j < n; j += 16) {  // the tail through a mask: every element takes the same path
+            const __mmask16 mask = (__mmask16)(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+            const __m512 gv = _mm512_maskz_loadu_ps(mask, g + j), uv = _mm512_maskz_loadu_ps(mask, u + j);
+            const __m512 e = exp512_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), uv);
+            _mm512_mask_storeu_ps(o + j, mask, y);
+        }
+#else
         for (int64_t j = 0; j < n; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+#endif
     }
 }

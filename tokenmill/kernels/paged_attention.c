@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_exp.h"
+
 #define MAX_TILE 64  // (query rows x heads per kv head) handled by one task
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64
@@ -73,6 +75,69 @@ static inline void accumulate64(float *acc, float correction, const float *p, co
     memcpy(acc, a, sizeof a);
 }
 
+#if defined(__AVX512F__)
+// The common shape (head_dim 64, blocks of 16 tokens) in AVX-512: one block's 16 scores of a row are one
+// register. Per row and block: each score a dot product over head_dim in four interleaved partial sums
+// ((p0 + p1) + (p2 + p3)), the block max and sum as fixed-order register reductions, e^x by exp512_ps, then
+// acc = acc * correction + sum_t p[t] v[t]. Every row goes through exactly these operations whatever its tile,
+// so batch invariance holds as in the generic path (whose operation order differs: the two paths are never
+// mixed on one machine).
+static inline __attribute__((always_inline)) void scores64x16(float out[][MAX_BLOCK], const float *const *q,
+                                                              const float *kt, const int rows) {
+    __m512 a[4][4];
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+    for (int d = 0; d < 64; d += 4)
+        for (int j = 0; j < 4; ++j) {
+            const __m512 k = _mm512_loadu_ps(kt + (d + j) * 16);
+            for (int r = 0; r < rows; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + j]), k, a[r][j]);
+        }
+    for (int r = 0; r < rows; ++r)
+        _mm512_storeu_ps(out[r], _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+}
+
+static void attend_block64x16(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK],
+                              const float *const *qs, const int64_t *len, int64_t first_row, int64_t n_rows,
+                              int64_t block_start, const float *kt, const float *vb, float scale) {
+    int64_t r = first_row;
+    for (; r + 4 <= n_rows; r += 4) scores64x16(s + r, qs + r, kt, 4);
+    switch (n_rows - r) {
+        case 3: scores64x16(s + r, qs + r, kt, 3); break;
+        case 2: scores64x16(s + r, qs + r, kt, 2); break;
+        case 1: scores64x16(s + r, qs + r, kt, 1); break;
+        default: break;
+    }
+    for (int64_t i = first_row; i < n_rows; ++i) {
+        const int64_t left = len[i] - block_start;
+        const int n = left < 16 ? (int)left : 16;
+        const __mmask16 mask = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
+        const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(s[i]), _mm512_set1_ps(scale));
+        float block_max = _mm512_mask_reduce_max_ps(mask, sv);
+        block_max = m[i] > block_max ? m[i] : block_max;
+        const float correction = expf(m[i] - block_max);  // exp(-inf) = 0 on the first block
+        const __m512 p = _mm512_maskz_mov_ps(mask, exp512_ps(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
+        l[i] = l[i] * correction + _mm512_reduce_add_ps(p);
+        _mm512_storeu_ps(s[i], p);
+        const __m512 c = _mm512_set1_ps(correction);
+        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc[i]), c), a1 = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 16), c);
+        __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 32), c), a3 = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 48), c);
+        for (int t = 0; t < n; ++t) {
+            const __m512 pt = _mm512_set1_ps(s[i][t]);
+            const float *v = vb + t * 64;
+            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v), a0);
+            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16), a1);
+            a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 32), a2);
+            a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 48), a3);
+        }
+        _mm512_storeu_ps(acc[i], a0);
+        _mm512_storeu_ps(acc[i] + 16, a1);
+        _mm512_storeu_ps(acc[i] + 32, a2);
+        _mm512_storeu_ps(acc[i] + 48, a3);
+        m[i] = block_max;
+    }
+}
+#endif
+
 void paged_attention(
     float *out,                   // [T, num_heads, head_dim]: rows of `row_stride` floats
     const float *q,               // [T, num_heads, head_dim]: rows of `q_row_stride` floats
@@ -124,6 +189,12 @@ void paged_attention(
             // rows are in position order: the ones that still see keys in this block form a suffix
             int64_t active = 0;
             while (len[active] <= b * block_size) ++active;
+#if defined(__AVX512F__)
+            if (head_dim == 64 && block_size == 16) {
+                attend_block64x16(acc, m, l, s, qs, len, active, n_rows, b * block_size, kt, vb, scale);
+                continue;
+            }
+#endif
             block_scores(s + active, qs + active, n_rows - active, kt, head_dim, block_size);
             for (int64_t i = active; i < n_rows; ++i) {
                 const int64_t left = len[i] - b * block_size;

@@ -6,10 +6,10 @@ float32 copy of the model stays in memory. Activations between layers stay float
 
 - `none`: float32 `F.linear`, token-exact with transformers.
 - `bf16`: bf16 weights and inputs (oneDNN), float32 outputs. Fast where the CPU has native bf16.
-- `int8`: per-output-channel symmetric int8 weights; activations quantized dynamically per token (scales per
-  row, two levels: the row and its residual), int8 x int8 products accumulated exactly in int32
-  (`torch._int_mm`, oneDNN VNNI on x86). Exact integer accumulation and per-row scales make a row's output
-  independent of its batch neighbours.
+- `int8`: per-output-channel symmetric int8 weights; activations quantized dynamically, int8 x int8 products
+  summed exactly in int32. On AVX512-VNNI CPUs activations get one scale per row and group of 32 input features
+  (`kernels/int8_rows.c`, weights packed at load); elsewhere one scale per row and two levels (the row and its
+  residual) through `torch._int_mm` (oneDNN). Either way a row's output depends on that row alone.
 - `auto`: the fastest of the above that this machine supports (`resolve_quantization`).
 """
 
@@ -129,10 +129,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(QuantLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias)
-        self.qweight: torch.Tensor  # [out, in] int8, used transposed (oneDNN reads it as a [in, out] view)
+        self.qweight: torch.Tensor  # [out, in] int8 (oneDNN reads it as a [in, out] view)
         self.scale: torch.Tensor  # [out] float32 per output channel
-        # The same weights packed for the VNNI kernel (kernels/int8_rows.c), which serves small batches; None where
-        # that kernel is unavailable. Two layouts cost one more int8 copy (~135 MB on SmolLM2).
+        # The weights packed for the grouped VNNI kernel (kernels/int8_rows.c) where this CPU runs it; then
+        # `qweight` serves only the tied embedding's row lookups and is not used by the GEMM.
         self.packed: torch.Tensor | None = None
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features))
@@ -140,7 +140,7 @@ class Int8Linear(QuantLinear):
     def _load_weight(self, weight: torch.Tensor) -> None:
         qweight, scale = quantize_rows(weight)
         self.qweight, self.scale = qweight.contiguous(), scale.squeeze(1).contiguous()
-        if kernels.int8_gemm_packed_available() and self.in_features % 4 == 0:
+        if kernels.int8_grouped_available() and self.in_features % kernels.INT8_GROUP == 0:
             self.packed = kernels.pack_vnni(self.qweight)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
@@ -151,10 +151,10 @@ class Int8Linear(QuantLinear):
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        native = rows.device.type == "cpu" and kernels.int8_rows_available()
-        if native and self.packed is not None and 2 * rows.shape[0] <= kernels.GEMM_PACKED_MAX_ROWS:
-            y = kernels.int8_linear_packed(rows, self.packed, self.scale, self.bias, self.out_features)
-        elif native:
+        cpu = rows.device.type == "cpu"
+        if cpu and self.packed is not None:
+            y = kernels.int8_linear_grouped(rows, self.packed, self.scale, self.bias, self.out_features)
+        elif cpu and kernels.int8_rows_available():
             q, scales = kernels.quantize_two_level(rows)
             acc = torch._int_mm(q, self.qweight.t())
             y = kernels.dequantize_two_level(acc, scales, self.scale, self.bias)
