@@ -46,39 +46,42 @@ def time_linears(layers: list[QuantLinear], batch: int) -> float:
         return median_ms(lambda: [layer(inputs[layer.in_features]) for layer in layers])
 
 
-def time_int8_gemm(batch: int, packed: bool) -> float:
-    """The 30 layers' int8 GEMMs alone (activations already quantized, two levels = 2 x batch rows)."""
-    layers = [layer for layer in linears("int8", SHAPES, LAYERS)]
-    qs = {k: torch.randint(-127, 128, (2 * batch, k), dtype=torch.int8) for k, _ in SHAPES}
-
-    def run() -> None:
-        for layer in layers:
-            q = qs[layer.in_features]
-            if packed:
-                kernels.int8_gemm_packed(q, layer.packed, layer.out_features)  # type: ignore[arg-type]
-            else:
-                torch._int_mm(q, layer.qweight.t())  # type: ignore[operator]
-
-    return median_ms(run)
+def time_int8_schemes(batch: int) -> tuple[float, float]:
+    """The 30 layers' whole int8 linears (quantize, GEMM, dequantize), ms: activations per group of 32 through
+    the VNNI kernel, and two levels per row through oneDNN (`torch._int_mm`, 2 x batch rows), the path of CPUs
+    without AVX512-VNNI."""
+    grouped = linears("int8", SHAPES, LAYERS)
+    two_level = linears("int8", SHAPES, LAYERS)
+    for layer in two_level:
+        layer.packed = None  # type: ignore[assignment]
+    return time_linears(grouped, batch), time_linears(two_level, batch)
 
 
-def time_attention(batch: int, context: int) -> tuple[float, float]:
-    """(native, torch reference) ms for one layer's decode attention over `batch` sequences of `context` tokens."""
+def time_attention(batch: int, context: int) -> tuple[float, float | None, float]:
+    """(native over a float32 cache, native over a bf16 cache (None without AVX-512), torch reference) ms for one
+    layer's decode attention over `batch` sequences of `context` tokens."""
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
     blocks = -(-context // block)
-    k_cache, v_cache = allocate_kv_cache(batch * blocks + 1, block, kv_heads, head_dim, torch.float32,
-                                         torch.device("cpu"))
-    k_cache.normal_()
-    v_cache.normal_()
     tables = np.random.RandomState(0).permutation(batch * blocks).reshape(batch, blocks).astype(np.int64)
     meta = AttentionMetadata.build(np.ones(batch, np.int64), np.full(batch, context, np.int64), tables,
                                    np.zeros(batch, np.int64), block, torch.device("cpu"))
     q = torch.randn(batch, heads, head_dim)
     out = torch.empty_like(q)
-    native = median_ms(lambda: kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens,
-                                                       meta.block_tables, 0.125))
-    reference = median_ms(lambda: _decode_attention_torch(q, k_cache, v_cache, meta.reference, 0.125))
-    return native, reference
+    times: list[float | None] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        k_cache, v_cache = allocate_kv_cache(batch * blocks + 1, block, kv_heads, head_dim, dtype, torch.device("cpu"))
+        k_cache.normal_()
+        v_cache.normal_()
+        if not kernels.attention_supported(q, heads, k_cache):
+            times.append(None)
+            continue
+        times.append(median_ms(lambda c=(k_cache, v_cache): kernels.paged_attention(  # type: ignore[misc, call-arg]
+            out, q, *c, meta.query_start, meta.seq_lens, meta.block_tables, 0.125)))
+        if dtype == torch.float32:
+            reference = median_ms(lambda c=(k_cache, v_cache): _decode_attention_torch(  # type: ignore[misc, call-arg]
+                q, *c, meta.reference, 0.125))
+    assert times[0] is not None
+    return times[0], times[1], reference
 
 
 def main() -> None:
@@ -95,37 +98,41 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
     headers = ["backend"] + [f"{part} M={b}" for b in args.batches for part in ("layers", "head")]
-    gemm_rows = []
-    if kernels.int8_gemm_packed_available():
-        for batch in (1, 2, 4, 8, 16, 32, 64):
-            gemm_rows.append([batch, 2 * batch, round(time_int8_gemm(batch, True), 1),
-                              round(time_int8_gemm(batch, False), 1)])
-            print(gemm_rows[-1], flush=True)
-    attention_rows = []
-    for batch, context in ((1, 512), (8, 512), (64, 160), (64, 1024)):
-        native, reference = time_attention(batch, context)
-        attention_rows.append([batch, context, round(native, 2), round(reference, 2)])
+    int8_rows: list[list[object]] = []
+    if kernels.int8_grouped_available():
+        for batch in (1, 8, 32, 64, 128, 512):
+            grouped, two_level = time_int8_schemes(batch)
+            int8_rows.append([batch, round(grouped, 1), round(two_level, 1), f"{two_level / grouped:.2f}"])
+            print(int8_rows[-1], flush=True)
+    attention_rows: list[list[object]] = []
+    for batch, context in ((1, 512), (8, 512), (32, 256), (64, 160), (64, 1024)):
+        native, native_bf16, reference = time_attention(batch, context)
+        attention_rows.append([batch, context, round(native, 2), "-" if native_bf16 is None else round(native_bf16, 2),
+                               round(reference, 2)])
         print(attention_rows[-1], flush=True)
     simd = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"})
     text = "\n".join([
         "## Kernels (`python benchmarks/bench_kernels.py`)",
         "",
         f"Machine: {machine_description()}; CPU features: {', '.join(simd) or 'none of note'}. SmolLM2-135M "
-        "shapes, random weights, a distinct copy per layer; ms, median of 7. int8 includes the two-level "
-        "per-token activation quantization and the dequantization.",
+        "shapes, random weights, a distinct copy per layer; ms, median of 7. int8 includes the activations' "
+        "quantization and the dequantization.",
         "",
         markdown_table(headers, rows),
         "",
-        "The 30 layers' int8 GEMMs alone (exact int32 results either way), the VNNI kernel "
-        "(`kernels/int8_rows.c`, packed weights) against oneDNN (`torch._int_mm`):" if gemm_rows else "",
+        "The 30 layers' whole int8 linears by activation scheme: one level per group of 32 (the VNNI kernel, "
+        "`kernels/int8_rows.c`, this machine's path) against two levels per row through oneDNN's "
+        "`torch._int_mm` (the path of CPUs without AVX512-VNNI; twice the GEMM rows):" if int8_rows else "",
         "",
-        markdown_table(["batch", "GEMM rows (two levels)", "VNNI kernel ms", "torch._int_mm ms"], gemm_rows)
-        if gemm_rows else "",
+        markdown_table(["batch", "grouped, VNNI kernel ms", "two levels, oneDNN ms", "speed-up"], int8_rows)
+        if int8_rows else "",
         "",
         "One layer's decode attention (9 heads, 3 KV heads, 64 dims, blocks of 16, shuffled): the native kernel "
-        "reading blocks in place against the reference (gather padded blocks + SDPA):",
+        "reading blocks in place from a float32 and from a bf16 cache, against the torch reference (gather "
+        "padded blocks + SDPA, float32):",
         "",
-        markdown_table(["sequences", "context tokens", "native ms", "torch reference ms"], attention_rows),
+        markdown_table(["sequences", "context tokens", "native fp32 cache ms", "native bf16 cache ms",
+                        "torch reference ms"], attention_rows),
     ])
     if not args.no_write:
         write_section("kernels", text)

@@ -21,12 +21,13 @@ class Batch:
     """A flat batch over a paged cache whose context K/V are random and whose blocks are shuffled."""
 
     def __init__(self, seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 seqs: list[tuple[int, int]]) -> None:  # (query tokens, context length after the step)
+                 seqs: list[tuple[int, int]],  # (query tokens, context length after the step)
+                 dtype: torch.dtype = torch.float32) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.heads, self.block_size, self.seqs = heads, block_size, seqs
         max_blocks = max(-(-n // block_size) for _, n in seqs)
         num_blocks = len(seqs) * max_blocks + 2
-        self.k_cache, self.v_cache = allocate_kv_cache(num_blocks, block_size, kv_heads, head_dim, torch.float32, CPU)
+        self.k_cache, self.v_cache = allocate_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype, CPU)
         self.k_cache.normal_(generator=gen)
         self.v_cache.normal_(generator=gen)
         order = np.random.RandomState(seed).permutation(num_blocks)[: len(seqs) * max_blocks]
@@ -69,8 +70,29 @@ def test_native_attention_matches_the_torch_reference(heads, kv_heads, head_dim,
     torch.testing.assert_close(native, reference, rtol=2e-5, atol=2e-5)
 
 
-def test_a_token_gets_bit_identical_attention_whatever_its_chunk_or_batch() -> None:
-    batch = Batch(1, 9, 3, 64, 16, [(70, 70), (1, 33), (1, 129)])
+@pytest.mark.skipif(not kernels.attention_bf16_available(), reason="no AVX-512: bf16 caches take the torch path")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "seqs"), [
+    (9, 3, 64, [(1, 1), (1, 17), (1, 300), (7, 7), (5, 40), (64, 100), (1, 16)]),
+    (8, 2, 128, [(3, 3), (1, 200), (40, 90)]),
+])
+def test_native_attention_over_bf16_caches_matches_the_torch_reference(heads, kv_heads, head_dim, seqs,  # noqa: ANN001
+                                                                     monkeypatch) -> None:  # noqa: ANN001
+    batch = Batch(4, heads, kv_heads, head_dim, 16, seqs, torch.bfloat16)
+    meta = batch.meta()
+    assert kernels.attention_supported(batch.q, heads, batch.k_cache)
+    native = batch.run(meta, batch.q, batch.k, batch.v)
+    monkeypatch.setattr(attention.kernels, "attention_supported", lambda *_: False)
+    # the reference reads the new tokens' K/V unrounded where a sequence has no cached context: round them too
+    k, v = batch.k.bfloat16().float(), batch.v.bfloat16().float()
+    reference = batch.run(meta, batch.q, k, v)
+    torch.testing.assert_close(native, reference, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_gets_bit_identical_attention_whatever_its_chunk_or_batch(dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and not kernels.attention_bf16_available():
+        pytest.skip("no AVX-512: bf16 caches take the torch path")
+    batch = Batch(1, 9, 3, 64, 16, [(70, 70), (1, 33), (1, 129)], dtype)
     whole = batch.run(batch.meta(), batch.q, batch.k, batch.v)  # the 70-token prompt in one chunk
     prompt = slice(0, 70)
     chunked = []
@@ -83,7 +105,7 @@ def test_a_token_gets_bit_identical_attention_whatever_its_chunk_or_batch() -> N
         assert torch.equal(out[size:], whole[70:])  # the decodes are unchanged by their neighbour's chunking
         done += size
     assert torch.equal(torch.cat(chunked), whole[prompt])
-    alone = Batch(1, 9, 3, 64, 16, [(70, 70), (1, 33), (1, 129)])  # same data, one sequence per call
+    alone = Batch(1, 9, 3, 64, 16, [(70, 70), (1, 33), (1, 129)], dtype)  # same data, one sequence per call
     for i, rows in enumerate((slice(0, 70), slice(70, 71), slice(71, 72))):
         meta = alone.meta([alone.seqs[i]], alone.tables[i:i + 1])
         assert torch.equal(alone.run(meta, alone.q[rows], alone.k[rows], alone.v[rows]), whole[rows])
@@ -127,9 +149,12 @@ def test_fused_layer_ops_match_the_torch_path() -> None:
     q_ref = apply_rope(q_ref.reshape(rows, heads, head_dim), cos[:, None], sin[:, None])
     k_ref = apply_rope(k_ref.reshape(rows, kv_heads, head_dim), cos[:, None], sin[:, None])
     assert torch.equal(q, q_ref)
-    ref_k_cache, ref_v_cache = allocate_kv_cache(8, block, kv_heads, head_dim, torch.float32, CPU)
-    write_kv(ref_k_cache, ref_v_cache, k_ref, v_ref.reshape(rows, kv_heads, head_dim), slots)
-    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    for dtype in (torch.float32, torch.bfloat16):  # bf16 caches: rounded to nearest even, as torch converts
+        k_cache, v_cache = allocate_kv_cache(8, block, kv_heads, head_dim, dtype, CPU)
+        kernels.rope_and_cache(qkv, heads, kv_heads, cos, sin, slots, k_cache, v_cache)
+        ref_k_cache, ref_v_cache = allocate_kv_cache(8, block, kv_heads, head_dim, dtype, CPU)
+        write_kv(ref_k_cache, ref_v_cache, k_ref, v_ref.reshape(rows, kv_heads, head_dim), slots)
+        assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
 
     gate_up = torch.randn(rows, 2 * 1536) * 3
     gate, up = gate_up.split(1536, -1)

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
 from tokenmill.router.policy import ROUTERS
 
 
@@ -20,6 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "float16", "bfloat16"])
     g.add_argument("--quantization", "-q", default=defaults.quantization, choices=["auto", "none", "int8", "bf16"],
                    help="linear-layer weights: auto = fastest this CPU supports; none = float32, exact")
+    g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache elements: auto = bfloat16 with quantized linears on CPUs whose attention kernel "
+                        "reads it, else the model's dtype")
     g.add_argument("--block-size", type=int, default=defaults.block_size)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory-gb", type=float, default=defaults.kv_cache_memory_gb)
@@ -40,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,

@@ -39,10 +39,32 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
 
 
+def linear_mode(config: EngineConfig) -> str:
+    """The resolved quantization of the linear layers. Quantized linears keep float32 activations, so --dtype
+    float16/bfloat16 (the whole model in that dtype) takes the unquantized path."""
+    if config.dtype != "float32" and config.quantization != "none":
+        if config.quantization != "auto":
+            raise ValueError(f"--quantization {config.quantization} needs --dtype float32 (activations stay "
+                             f"float32; the weights carry the reduced precision)")
+        return "none"
+    return resolve_quantization(config.quantization, config.device)
+
+
+def kv_cache_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
+    """--kv-cache-dtype resolved. `auto`: bf16 under quantized linears where the native attention kernel reads
+    bf16 caches (half the bytes a decode step reads; top-1 agreement with float32 moved 97.48% -> 97.42% on the
+    quality gate), else the model's dtype, so `--quantization none` stays exact."""
+    if config.kv_cache_dtype != "auto":
+        return _DTYPES[config.kv_cache_dtype]
+    native_bf16 = (torch.device(config.device).type == "cpu" and kernels.attention_bf16_available()
+                   and config.block_size == 16 and model.head_dim % 16 == 0)
+    return torch.bfloat16 if linear_mode(config) != "none" and native_bf16 else _DTYPES[config.dtype]
+
+
 def num_kv_blocks_for(config: EngineConfig, model: ModelConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model, config.block_size, _DTYPES[config.dtype])
+    per_block = kv_bytes_per_block(model, config.block_size, kv_cache_dtype(config, model))
     return max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
 
 
@@ -51,16 +73,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
         self.block_size = config.block_size
-        # Quantized linears keep float32 activations; --dtype float16/bfloat16 runs the whole model in that dtype.
-        if config.dtype != "float32" and config.quantization != "none":
-            if config.quantization != "auto":
-                raise ValueError(f"--quantization {config.quantization} needs --dtype float32 (activations stay "
-                                 f"float32; the weights carry the reduced precision)")
-            self.quantization = "none"
-        else:
-            self.quantization = resolve_quantization(config.quantization, config.device)
-        logger.info("linear layers: %s (--quantization %s), %d threads", self.quantization, config.quantization,
-                    torch.get_num_threads())
+        self.quantization = linear_mode(config)
+        self.kv_dtype = kv_cache_dtype(config, model_config)
+        logger.info("linear layers: %s (--quantization %s), KV cache %s, %d threads", self.quantization,
+                    config.quantization, str(self.kv_dtype).removeprefix("torch."), torch.get_num_threads())
         if self.device.type == "cpu":
             logger.info(kernels.prepare())
         model = LlamaForCausalLM(model_config, self.quantization)
@@ -71,12 +87,12 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks_for(config, model_config)
         self.kv_caches = [
             allocate_kv_cache(self.num_kv_blocks, config.block_size, model_config.num_kv_heads,
-                              model_config.head_dim, self.dtype, self.device)
+                              model_config.head_dim, self.kv_dtype, self.device)
             for _ in range(model_config.num_layers)
         ]
         for layer, cache in zip(self.model.decoder_layers, self.kv_caches):
             layer.self_attn.kv_cache = cache
-        self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.dtype) * self.num_kv_blocks
+        self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype) * self.num_kv_blocks
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = random.Random(config.seed)  # seeds for requests that bring none

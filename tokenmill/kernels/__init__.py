@@ -80,7 +80,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 @functools.cache
 def _attention_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return _function("paged_attention", "paged_attention", [_PTR] * 7 + [_I64] * 8 + [_F32])
+    return _function("paged_attention", "paged_attention", [_PTR] * 7 + [_I64] * 8 + [_F32, _I64])
 
 
 @functools.cache
@@ -153,7 +153,7 @@ def int8_linear_grouped(x: torch.Tensor, packed: torch.Tensor, weight_scale: tor
 def _layer_fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
     norm = _function("layer_ops", "add_rms_norm", [_PTR, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64])
     rope = _function("layer_ops", "rope_and_cache", [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
-                                                      _PTR, _PTR, _PTR])
+                                                      _PTR, _PTR, _PTR, _I64])
     silu = _function("layer_ops", "silu_and_mul", [_PTR, _I64, _I64, _PTR])
     return None if norm is None or rope is None or silu is None else (norm, rope, silu)
 
@@ -185,9 +185,11 @@ def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: to
     assert fns is not None and qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     assert slot_mapping.dtype == torch.int64 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert head_dim <= MAX_HEAD_DIM
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
     q = torch.empty(tokens, num_heads, head_dim)
     fns[1](qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-           slot_mapping.data_ptr(), k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+           slot_mapping.data_ptr(), k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
+           int(k_cache.dtype == torch.bfloat16))
     return q
 
 
@@ -264,12 +266,23 @@ def native_attention_available() -> bool:
     return _attention_fn() is not None
 
 
+@functools.cache
+def attention_bf16_available() -> bool:
+    """Whether the attention kernel reads bf16 caches here (its AVX-512 path: blocks of 16, head_dim % 16 == 0)."""
+    lib = load_library("paged_attention")
+    return lib is not None and bool(lib.paged_attention_bf16_available())
+
+
 def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tensor) -> bool:
     """Whether the native kernel takes a float32 CPU `query` of `num_heads` heads over this K cache (shapes
-    within its compiled limits)."""
+    within its compiled limits; bf16 caches only on its AVX-512 path)."""
     num_kv_heads, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if k_cache.dtype == torch.bfloat16:
+        cache_ok = block_size == 16 and head_dim % 16 == 0 and attention_bf16_available()
+    else:
+        cache_ok = k_cache.dtype == torch.float32
     return (
-        query.device.type == "cpu" and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+        query.device.type == "cpu" and query.dtype == torch.float32 and cache_ok
         and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK
         and _attention_fn() is not None
     )
@@ -294,4 +307,5 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     heads, head_dim = query.shape[1], query.shape[2]
     fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), query_start.data_ptr(),
        seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], heads,
-       k_cache.shape[1], head_dim, k_cache.shape[3], query.stride(0), out.stride(0), scale)
+       k_cache.shape[1], head_dim, k_cache.shape[3], query.stride(0), out.stride(0), scale,
+       int(k_cache.dtype == torch.bfloat16))

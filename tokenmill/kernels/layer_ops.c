@@ -3,6 +3,7 @@
 // code it replaces in model/llama.py (same operation order; the sums of squares differ in summation order only).
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "vec_exp.h"
 
@@ -36,13 +37,22 @@ static inline void rope(float *o, const float *x, const float *cos_row, const fl
     for (int64_t d = half; d < head_dim; ++d) o[d] = x[d] * cos_row[d] + x[d - half] * sin_row[d];
 }
 
+// float32 -> bf16, rounding to nearest even (as torch's conversion); NaN stays NaN
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // From the fused qkv projection [tokens, (heads + 2 kv_heads) * head_dim] (rows of qkv_stride floats) and the
-// cos/sin rows [tokens, head_dim] of each token's position: q with
-// RoPE into q_out [tokens, heads * head_dim]; k with RoPE and v written to their cache slots (layouts of
-// model/attention.py: K [blocks, kv_heads, head_dim, block], V [blocks, kv_heads, block, head_dim]).
+// cos/sin rows [tokens, head_dim] of each token's position: q with RoPE into q_out [tokens, heads * head_dim];
+// k with RoPE and v written to their cache slots (layouts of model/attention.py: K [blocks, kv_heads, head_dim,
+// block], V [blocks, kv_heads, block, head_dim]), as float32 or, with kv_bf16, as bf16.
 void rope_and_cache(const float *qkv, int64_t qkv_stride, int64_t tokens, int64_t heads, int64_t kv_heads,
                     int64_t head_dim, const float *cos_table, const float *sin_table,
-                    const int64_t *slots, int64_t block_size, float *k_cache, float *v_cache, float *q_out) {
+                    const int64_t *slots, int64_t block_size, void *k_cache, void *v_cache, float *q_out,
+                    int64_t kv_bf16) {
 #pragma omp parallel for if (tokens * (heads + 2 * kv_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < tokens; ++t) {
         const float *row = qkv + t * qkv_stride;
@@ -53,11 +63,18 @@ void rope_and_cache(const float *qkv, int64_t qkv_stride, int64_t tokens, int64_
         float k[512];
         for (int64_t h = 0; h < kv_heads; ++h) {
             rope(k, row + (heads + h) * head_dim, cos_row, sin_row, head_dim);
-            float *k_dst = k_cache + (block * kv_heads + h) * head_dim * block_size + offset;
-            for (int64_t d = 0; d < head_dim; ++d) k_dst[d * block_size] = k[d];
             const float *v = row + (heads + kv_heads + h) * head_dim;
-            float *v_dst = v_cache + ((block * kv_heads + h) * block_size + offset) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) v_dst[d] = v[d];
+            const int64_t k_at = (block * kv_heads + h) * head_dim * block_size + offset;  // then + d * block
+            const int64_t v_at = ((block * kv_heads + h) * block_size + offset) * head_dim;
+            if (kv_bf16) {
+                uint16_t *k_dst = (uint16_t *)k_cache + k_at, *v_dst = (uint16_t *)v_cache + v_at;
+                for (int64_t d = 0; d < head_dim; ++d) k_dst[d * block_size] = to_bf16(k[d]);
+                for (int64_t d = 0; d < head_dim; ++d) v_dst[d] = to_bf16(v[d]);
+            } else {
+                float *k_dst = (float *)k_cache + k_at, *v_dst = (float *)v_cache + v_at;
+                for (int64_t d = 0; d < head_dim; ++d) k_dst[d * block_size] = k[d];
+                for (int64_t d = 0; d < head_dim; ++d) v_dst[d] = v[d];
+            }
         }
     }
 }

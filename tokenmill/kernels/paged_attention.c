@@ -76,35 +76,48 @@ static inline void accumulate64(float *acc, float correction, const float *p, co
 }
 
 #if defined(__AVX512F__)
-// The common shape (head_dim 64, blocks of 16 tokens) in AVX-512: one block's 16 scores of a row are one
-// register. Per row and block: each score a dot product over head_dim in four interleaved partial sums
-// ((p0 + p1) + (p2 + p3)), the block max and sum as fixed-order register reductions, e^x by exp512_ps, then
-// acc = acc * correction + sum_t p[t] v[t]. Every row goes through exactly these operations whatever its tile,
-// so batch invariance holds as in the generic path (whose operation order differs: the two paths are never
-// mixed on one machine).
-static inline __attribute__((always_inline)) void scores64x16(float out[][MAX_BLOCK], const float *const *q,
-                                                              const float *kt, const int rows) {
+// Blocks of 16 tokens and head_dim a multiple of 16 in AVX-512, with float32 or bf16 caches: one block's 16
+// scores of a row are one register. Per row and block: each score a dot product over head_dim in four
+// interleaved partial sums ((p0 + p1) + (p2 + p3)), the block max and sum as fixed-order register reductions,
+// e^x by exp512_ps, then acc = acc * correction + sum_t p[t] v[t]. Every row goes through exactly these
+// operations whatever its tile, so batch invariance holds as in the generic path (whose operation order
+// differs: the two paths are never mixed on one machine). bf16 values widen exactly to float32; all arithmetic
+// is float32.
+int paged_attention_bf16_available(void) { return 1; }
+
+static inline __attribute__((always_inline)) __m512 load_kv(const void *base, int64_t index, const int bf16) {
+    if (bf16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + index);
+}
+
+static inline __attribute__((always_inline)) void block_scores16(float out[][MAX_BLOCK], const float *const *q,
+                                                                 const void *kt, int64_t head_dim, const int rows,
+                                                                 const int bf16) {
     __m512 a[4][4];
     for (int r = 0; r < rows; ++r)
         for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
-    for (int d = 0; d < 64; d += 4)
+    for (int64_t d = 0; d < head_dim; d += 4)
         for (int j = 0; j < 4; ++j) {
-            const __m512 k = _mm512_loadu_ps(kt + (d + j) * 16);
+            const __m512 k = load_kv(kt, (d + j) * 16, bf16);
             for (int r = 0; r < rows; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + j]), k, a[r][j]);
         }
     for (int r = 0; r < rows; ++r)
         _mm512_storeu_ps(out[r], _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
 }
 
-static void attend_block64x16(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK],
-                              const float *const *qs, const int64_t *len, int64_t first_row, int64_t n_rows,
-                              int64_t block_start, const float *kt, const float *vb, float scale) {
+static inline __attribute__((always_inline)) void attend_block16(
+    float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs, const int64_t *len,
+    int64_t first_row, int64_t n_rows, int64_t block_start, const void *kt, const void *vb, int64_t head_dim,
+    float scale, const int bf16) {
     int64_t r = first_row;
-    for (; r + 4 <= n_rows; r += 4) scores64x16(s + r, qs + r, kt, 4);
+    for (; r + 4 <= n_rows; r += 4) block_scores16(s + r, qs + r, kt, head_dim, 4, bf16);
     switch (n_rows - r) {
-        case 3: scores64x16(s + r, qs + r, kt, 3); break;
-        case 2: scores64x16(s + r, qs + r, kt, 2); break;
-        case 1: scores64x16(s + r, qs + r, kt, 1); break;
+        case 3: block_scores16(s + r, qs + r, kt, head_dim, 3, bf16); break;
+        case 2: block_scores16(s + r, qs + r, kt, head_dim, 2, bf16); break;
+        case 1: block_scores16(s + r, qs + r, kt, head_dim, 1, bf16); break;
         default: break;
     }
     for (int64_t i = first_row; i < n_rows; ++i) {
@@ -119,35 +132,41 @@ static void attend_block64x16(float acc[][MAX_HEAD_DIM], float *m, float *l, flo
         l[i] = l[i] * correction + _mm512_reduce_add_ps(p);
         _mm512_storeu_ps(s[i], p);
         const __m512 c = _mm512_set1_ps(correction);
-        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc[i]), c), a1 = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 16), c);
-        __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 32), c), a3 = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 48), c);
-        for (int t = 0; t < n; ++t) {
-            const __m512 pt = _mm512_set1_ps(s[i][t]);
-            const float *v = vb + t * 64;
-            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v), a0);
-            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16), a1);
-            a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 32), a2);
-            a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 48), a3);
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + d), c);
+            for (int t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(s[i][t]), load_kv(vb, t * head_dim + d, bf16), a);
+            _mm512_storeu_ps(acc[i] + d, a);
         }
-        _mm512_storeu_ps(acc[i], a0);
-        _mm512_storeu_ps(acc[i] + 16, a1);
-        _mm512_storeu_ps(acc[i] + 32, a2);
-        _mm512_storeu_ps(acc[i] + 48, a3);
         m[i] = block_max;
     }
 }
+
+static void attend_block16_f32(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK],
+                               const float *const *qs, const int64_t *len, int64_t first_row, int64_t n_rows,
+                               int64_t block_start, const void *kt, const void *vb, int64_t head_dim, float scale) {
+    attend_block16(acc, m, l, s, qs, len, first_row, n_rows, block_start, kt, vb, head_dim, scale, 0);
+}
+
+static void attend_block16_bf16(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK],
+                                const float *const *qs, const int64_t *len, int64_t first_row, int64_t n_rows,
+                                int64_t block_start, const void *kt, const void *vb, int64_t head_dim, float scale) {
+    attend_block16(acc, m, l, s, qs, len, first_row, n_rows, block_start, kt, vb, head_dim, scale, 1);
+}
+#else
+int paged_attention_bf16_available(void) { return 0; }
 #endif
 
 void paged_attention(
     float *out,                   // [T, num_heads, head_dim]: rows of `row_stride` floats
     const float *q,               // [T, num_heads, head_dim]: rows of `q_row_stride` floats
-    const float *k_cache,         // [num_blocks, num_kv_heads, head_dim, block_size]
-    const float *v_cache,         // [num_blocks, num_kv_heads, block_size, head_dim]
+    const void *k_cache,          // [num_blocks, num_kv_heads, head_dim, block_size], float32 or bf16
+    const void *v_cache,          // [num_blocks, num_kv_heads, block_size, head_dim], same dtype
     const int64_t *query_start,   // [num_seqs + 1]: sequence s owns rows query_start[s] .. query_start[s+1]
     const int64_t *seq_lens,      // [num_seqs]: context length after this step (its last row sees all of it)
     const int64_t *block_tables,  // [num_seqs, max_blocks]
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t q_row_stride, int64_t row_stride, float scale) {
+    int64_t block_size, int64_t q_row_stride, int64_t row_stride, float scale,
+    int64_t kv_bf16) {                // 1: bf16 caches (only with paged_attention_bf16_available and blocks of 16)
     const int64_t group = num_heads / num_kv_heads;
     const int64_t tile_rows = MAX_TILE / group < 1 ? 1 : MAX_TILE / group;
     const int64_t head_block = head_dim * block_size;  // floats of one kv head in one block
@@ -184,17 +203,29 @@ void paged_attention(
         }
         const int64_t n_rows = rows * group;
         for (int64_t b = 0; b * block_size < len[n_rows - 1]; ++b) {
-            const float *kt = k_cache + (table[b] * num_kv_heads + kvh) * head_block;
-            const float *vb = v_cache + (table[b] * num_kv_heads + kvh) * head_block;
+            const int64_t offset = (table[b] * num_kv_heads + kvh) * head_block;  // elements
             // rows are in position order: the ones that still see keys in this block form a suffix
             int64_t active = 0;
             while (len[active] <= b * block_size) ++active;
 #if defined(__AVX512F__)
-            if (head_dim == 64 && block_size == 16) {
-                attend_block64x16(acc, m, l, s, qs, len, active, n_rows, b * block_size, kt, vb, scale);
+            if (block_size == 16 && head_dim % 16 == 0) {
+                // blocks lie anywhere in the pool: fetch the next one's K and V while this one computes, which
+                // the hardware prefetchers, working within a page, would not
+                if ((b + 1) * block_size < len[n_rows - 1]) {
+                    const int64_t next = (table[b + 1] * num_kv_heads + kvh) * head_block * (kv_bf16 ? 2 : 4);
+                    for (int64_t line = 0; line < head_block * (kv_bf16 ? 2 : 4); line += 64) {
+                        _mm_prefetch((const char *)k_cache + next + line, _MM_HINT_T0);
+                        _mm_prefetch((const char *)v_cache + next + line, _MM_HINT_T0);
+                    }
+                }
+                const int64_t bytes = offset * (kv_bf16 ? 2 : 4);
+                (kv_bf16 ? attend_block16_bf16 : attend_block16_f32)(
+                    acc, m, l, s, qs, len, active, n_rows, b * block_size, (const char *)k_cache + bytes,
+                    (const char *)v_cache + bytes, head_dim, scale);
                 continue;
             }
 #endif
+            const float *kt = (const float *)k_cache + offset, *vb = (const float *)v_cache + offset;
             block_scores(s + active, qs + active, n_rows - active, kt, head_dim, block_size);
             for (int64_t i = active; i < n_rows; ++i) {
                 const int64_t left = len[i] - b * block_size;

@@ -117,22 +117,23 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots."""
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots, in the cache's dtype."""
     block_size = v_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, :, :, offsets] = k
-    v_cache[blocks, :, offsets, :] = v
+    k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)
 
 
-def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of whole blocks, [B, kv_heads, blocks * block_size, head_dim] for block_tables [B, blocks]."""
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of whole blocks, [B, kv_heads, blocks * block_size, head_dim] for block_tables [B, blocks],
+    in `dtype` (the queries'; a bf16 cache under float32 activations widens)."""
     bsz, num_blocks = block_tables.shape
     _, num_kv_heads, head_dim, block_size = k_cache.shape
     keys = k_cache[block_tables].permute(0, 2, 1, 4, 3)  # [B, kvh, blocks, block, hd]
     values = v_cache[block_tables].transpose(1, 2)  # [B, kvh, blocks, block, hd]
     shape = (bsz, num_kv_heads, num_blocks * block_size, head_dim)
-    return keys.reshape(shape), values.reshape(shape)
+    return keys.reshape(shape).to(dtype), values.reshape(shape).to(dtype)
 
 
 def paged_attention(
@@ -161,7 +162,7 @@ def paged_attention(
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
                                                   enable_gqa=True)
         else:
-            keys, values = _gather_kv(k_cache, v_cache, p.block_table[None])
+            keys, values = _gather_kv(k_cache, v_cache, p.block_table[None], q.dtype)
             attn = F.scaled_dot_product_attention(query, keys[:, :, :p.seq_len], values[:, :, :p.seq_len],
                                                   attn_mask=p.mask, scale=scale, enable_gqa=True)
         out[p.start:p.end] = attn[0].transpose(0, 1)
@@ -171,7 +172,7 @@ def paged_attention(
 def _decode_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             split: ReferenceSplit, scale: float) -> torch.Tensor:
     """The reference decode path: gather every sequence's blocks (padded), one batched SDPA with a length mask."""
-    keys, values = _gather_kv(k_cache, v_cache, split.decode_block_tables)
+    keys, values = _gather_kv(k_cache, v_cache, split.decode_block_tables, query.dtype)
     key_index = torch.arange(keys.shape[2], device=query.device)
     mask = (key_index[None, :] < split.decode_seq_lens[:, None])[:, None, None, :]
     attn = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,

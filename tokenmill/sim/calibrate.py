@@ -165,6 +165,7 @@ def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace
         source = "server"
 
     weight_bytes = {"int8": 1.0, "bf16": 2.0}.get(runner.quantization, 4.0)
+    kv_bytes = float(runner.kv_caches[0][0].element_size())
     peak = gemm_gflops(runner.quantization) * 1e9
     bandwidth = memory_bandwidth_gbs() * 1e9
     shapes = grid + [shape for shape, _ in step_trace]
@@ -172,7 +173,7 @@ def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace
     # per step, per sequence (the engine's own time: scheduling, bookkeeping, handing outputs over), then the
     # model's arithmetic, its weights and activations, and the attention's KV reads
     features = np.array([[1.0, len(s.sequences), c.flops / peak, c.bytes / bandwidth, c.kv_read_bytes / bandwidth]
-                         for s in shapes for c in [step_cost(s, model, weight_bytes, 4.0)]])
+                         for s in shapes for c in [step_cost(s, model, weight_bytes, kv_bytes)]])
     rng = np.random.default_rng(seed)
     held_grid = set(rng.choice(len(grid), size=len(grid) // 4, replace=False).tolist())
     held_steps = {len(grid) + i for i in rng.choice(len(step_trace), size=len(step_trace) // 4,
@@ -188,7 +189,7 @@ def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace
     profile = specs.HardwareProfile(
         name=f"cpu-{runner.quantization}", peak_flops=peak, memory_bandwidth=bandwidth, memory_bytes=0.0,
         flops_efficiency=efficiency[0], bandwidth_efficiency=efficiency[1], kv_read_efficiency=efficiency[2],
-        step_overhead_s=float(coef[0]), per_sequence_s=float(coef[1]), weight_bytes=weight_bytes, kv_bytes=4.0,
+        step_overhead_s=float(coef[0]), per_sequence_s=float(coef[1]), weight_bytes=weight_bytes, kv_bytes=kv_bytes,
         combine="sum")
     predicted = [step_seconds(shape, model, profile) for shape in shapes]
     errors = np.abs(np.array(predicted) - measured) / measured
