@@ -57,7 +57,7 @@ def kv_cache_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
     if config.kv_cache_dtype != "auto":
         return _DTYPES[config.kv_cache_dtype]
     native_bf16 = (torch.device(config.device).type == "cpu" and kernels.attention_bf16_available()
-                   and config.block_size == 16 and model.head_dim % 16 == 0)
+                   and config.block_size == 16 and model.head_dim % 64 == 0)
     return torch.bfloat16 if linear_mode(config) != "none" and native_bf16 else _DTYPES[config.dtype]
 
 

@@ -76,7 +76,7 @@ static inline void accumulate64(float *acc, float correction, const float *p, co
 }
 
 #if defined(__AVX512F__)
-// Blocks of 16 tokens and head_dim a multiple of 16 in AVX-512, with float32 or bf16 caches: one block's 16
+// Blocks of 16 tokens and head_dim a multiple of 64 in AVX-512, with float32 or bf16 caches: one block's 16
 // scores of a row are one register. Per row and block: each score a dot product over head_dim in four
 // interleaved partial sums ((p0 + p1) + (p2 + p3)), the block max and sum as fixed-order register reductions,
 // e^x by exp512_ps, then acc = acc * correction + sum_t p[t] v[t]. Every row goes through exactly these
@@ -108,6 +108,29 @@ static inline __attribute__((always_inline)) void block_scores16(float out[][MAX
         _mm512_storeu_ps(out[r], _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
 }
 
+// acc[r] = acc[r] * corr[r] + sum_{t < n} p_r[t] v[t] for `rows` rows at once, a 64-dim slab of registers at a
+// time, so each V vector is loaded (and widened) once for all of them. A row's p is 0 past its own keys and
+// those slots hold this step's (finite) values, so the extra terms add exactly 0: a row's result does not
+// depend on the rows beside it.
+static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MAX_HEAD_DIM], const float *corr,
+                                                                  float s[][MAX_BLOCK], const int rows, int n,
+                                                                  const void *vb, int64_t head_dim, const int bf16) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        __m512 a[4][4];
+        for (int r = 0; r < rows; ++r) {
+            const __m512 c = _mm512_set1_ps(corr[r]);
+            for (int j = 0; j < 4; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d0 + 16 * j), c);
+        }
+        for (int t = 0; t < n; ++t)
+            for (int j = 0; j < 4; ++j) {
+                const __m512 v = load_kv(vb, t * head_dim + d0 + 16 * j, bf16);
+                for (int r = 0; r < rows; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][t]), v, a[r][j]);
+            }
+        for (int r = 0; r < rows; ++r)
+            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc[r] + d0 + 16 * j, a[r][j]);
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_block16(
     float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs, const int64_t *len,
     int64_t first_row, int64_t n_rows, int64_t block_start, const void *kt, const void *vb, int64_t head_dim,
@@ -120,6 +143,8 @@ static inline __attribute__((always_inline)) void attend_block16(
         case 1: block_scores16(s + r, qs + r, kt, head_dim, 1, bf16); break;
         default: break;
     }
+    float corr[MAX_TILE];
+    int keys[MAX_TILE];  // this block's keys each row sees
     for (int64_t i = first_row; i < n_rows; ++i) {
         const int64_t left = len[i] - block_start;
         const int n = left < 16 ? (int)left : 16;
@@ -127,17 +152,20 @@ static inline __attribute__((always_inline)) void attend_block16(
         const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(s[i]), _mm512_set1_ps(scale));
         float block_max = _mm512_mask_reduce_max_ps(mask, sv);
         block_max = m[i] > block_max ? m[i] : block_max;
-        const float correction = expf(m[i] - block_max);  // exp(-inf) = 0 on the first block
+        corr[i] = expf(m[i] - block_max);  // exp(-inf) = 0 on the first block
         const __m512 p = _mm512_maskz_mov_ps(mask, exp512_ps(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
-        l[i] = l[i] * correction + _mm512_reduce_add_ps(p);
+        l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(p);
         _mm512_storeu_ps(s[i], p);
-        const __m512 c = _mm512_set1_ps(correction);
-        for (int64_t d = 0; d < head_dim; d += 16) {
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + d), c);
-            for (int t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(s[i][t]), load_kv(vb, t * head_dim + d, bf16), a);
-            _mm512_storeu_ps(acc[i] + d, a);
-        }
         m[i] = block_max;
+        keys[i] = n;
+    }
+    // rows are in position order: the last of a group sees the most keys
+    for (r = first_row; r + 4 <= n_rows; r += 4) accumulate_rows(acc + r, corr + r, s + r, 4, keys[r + 3], vb, head_dim, bf16);
+    switch (n_rows - r) {
+        case 3: accumulate_rows(acc + r, corr + r, s + r, 3, keys[r + 2], vb, head_dim, bf16); break;
+        case 2: accumulate_rows(acc + r, corr + r, s + r, 2, keys[r + 1], vb, head_dim, bf16); break;
+        case 1: accumulate_rows(acc + r, corr + r, s + r, 1, keys[r], vb, head_dim, bf16); break;
+        default: break;
     }
 }
 
@@ -208,7 +236,7 @@ void paged_attention(
             int64_t active = 0;
             while (len[active] <= b * block_size) ++active;
 #if defined(__AVX512F__)
-            if (block_size == 16 && head_dim % 16 == 0) {
+            if (block_size == 16 && head_dim % 64 == 0) {
                 // blocks lie anywhere in the pool: fetch the next one's K and V while this one computes, which
                 // the hardware prefetchers, working within a page, would not
                 if ((b + 1) * block_size < len[n_rows - 1]) {
