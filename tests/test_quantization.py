@@ -168,3 +168,17 @@ def test_resolve_quantization() -> None:
         resolve_quantization("int4", "cpu")
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="fp8")
+
+
+@pytest.mark.skipif(not kernels.decoder_stack_available(), reason="no AVX512-VNNI: the layers run one by one")
+def test_int8_decoder_stack_is_bit_identical_to_the_layer_by_layer_path(loaded_model, monkeypatch) -> None:  # noqa: ANN001
+    from tokenmill.model import llama
+
+    ids = list(range(100, 180))
+    fast = _runner(loaded_model, "int8")
+    logits = fast.prompt_logits(ids)
+    assert fast.model._stack is not None, "the one-call decoder stack did not engage on an AVX512-VNNI CPU"
+    monkeypatch.setattr(llama.NativeDecoderStack, "supported", staticmethod(lambda model: False))
+    slow = _runner(loaded_model, "int8")
+    assert torch.equal(slow.prompt_logits(ids), logits)
+    assert slow.model._stack is None

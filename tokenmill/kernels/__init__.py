@@ -46,9 +46,9 @@ def load_library(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: native kernel %s disabled, using the torch fallback", name)
         return None
-    headers = b"".join(h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))  # shared helpers (vec_exp.h)
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(_FLAGS).encode()
-                         + " ".join(sorted(cpu_flags())).encode())
+    # every source here: headers are shared (vec_exp.h) and decoder.c includes the other kernels
+    sources = b"".join(f.read_bytes() for f in sorted([*_SOURCE_DIR.glob("*.c"), *_SOURCE_DIR.glob("*.h")]))
+    key = hashlib.sha256(name.encode() + sources + " ".join(_FLAGS).encode() + " ".join(sorted(cpu_flags())).encode())
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -231,6 +231,7 @@ def prepare() -> str:
         "VNNI int8 GEMM": int8_grouped_available(),
         "layer ops": _layer_fns() is not None,
         "token bitmask": _bitmask_fn() is not None,
+        "int8 decoder stack": _decoder_fn() is not None,
     }
     return "native CPU kernels: " + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in ready.items())
 
@@ -309,3 +310,52 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
        seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], heads,
        k_cache.shape[1], head_dim, k_cache.shape[3], query.stride(0), out.stride(0), scale,
        int(k_cache.dtype == torch.bfloat16))
+
+
+class DecoderLayerPointers(ctypes.Structure):
+    """One layer's tensors for `decoder_forward` (kernels/decoder.c: DecoderLayer), as raw addresses."""
+
+    _fields_ = [(name, _PTR) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scale",
+                                           "o_scale", "gate_up_scale", "down_scale", "qkv_bias", "k_cache", "v_cache")]
+
+
+@functools.cache
+def _decoder_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = load_library("decoder")
+    if lib is None or not lib.int8_grouped_available():
+        return None
+    return _function("decoder", "decoder_forward", [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR,
+                                                    _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64,
+                                                    _F32, _I64])
+
+
+def decoder_stack_available() -> bool:
+    """Whether the one-call int8 decoder stack (kernels/decoder.c) runs on this CPU (AVX512-VNNI)."""
+    return _decoder_fn() is not None
+
+
+def decoder_work_floats(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
+    """Scratch floats per token that `decoder_forward` needs."""
+    return 2 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + 3 * intermediate
+
+
+def decoder_forward(layers: ctypes.Array, dims: tuple[int, int, int, int, int], eps: float, residual: torch.Tensor,
+                    work: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                    block_size: int, query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float, kv_bf16: bool) -> torch.Tensor:
+    """Every decoder layer over a flat batch in one call. dims = (hidden, heads, kv_heads, head_dim,
+    intermediate); residual [T, hidden] float32: the embeddings in, the residual stream out (in place); work: at
+    least T * decoder_work_floats(...) floats. Returns the last layer's MLP output [T, hidden]."""
+    fn = _decoder_fn()
+    hidden, heads, kv_heads, head_dim, intermediate = dims
+    tokens = residual.shape[0]
+    assert fn is not None and residual.is_contiguous() and residual.dtype == torch.float32
+    assert work.numel() >= tokens * decoder_work_floats(*dims) and cos.is_contiguous() and sin.is_contiguous()
+    for index in (slot_mapping, query_start, seq_lens, block_tables):
+        assert index.dtype == torch.int64 and index.is_contiguous()
+    x_out = torch.empty(tokens, hidden)
+    fn(ctypes.addressof(layers), len(layers), tokens, hidden, heads, kv_heads, head_dim, intermediate, eps,
+       residual.data_ptr(), x_out.data_ptr(), work.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+       block_size, query_start.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0],
+       block_tables.shape[1], scale, int(kv_bf16))
+    return x_out

@@ -17,7 +17,7 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
-from tokenmill.model.quant import make_linear
+from tokenmill.model.quant import Int8Linear, make_linear
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, head_dim] of one step's positions
 
@@ -141,6 +141,73 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class NativeDecoderStack:
+    """All decoder layers of an int8 model in one native call per step (kernels/decoder.c): the kernels the
+    layers above call one by one, in the same order, so the results are bit-identical, without the per-layer
+    Python, ctypes and allocation overhead (~2 ms of a ~10 ms batch-1 step). Holds the layers' raw addresses:
+    weights and KV caches never move once bound."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        layers = model.decoder_layers
+        config = model.config
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in layers:
+            assert layer.self_attn.kv_cache is not None
+            self.caches.append(layer.self_attn.kv_cache)
+        self.pointers = (kernels.DecoderLayerPointers * len(layers))()
+        for slot, layer in zip(self.pointers, layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+            for name, linear in linears.items():
+                assert isinstance(linear, Int8Linear) and linear.packed is not None
+                setattr(slot, name, linear.packed.data_ptr())
+                setattr(slot, f"{name}_scale", linear.scale.data_ptr())
+            slot.qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr()
+            slot.input_norm = layer.input_layernorm.weight.data_ptr()
+            slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            assert attn.kv_cache is not None
+            slot.k_cache, slot.v_cache = attn.kv_cache[0].data_ptr(), attn.kv_cache[1].data_ptr()
+        self.dims = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                     config.intermediate_size)
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        self.block_size = self.caches[0][0].shape[3]
+        self.kv_bf16 = self.caches[0][0].dtype == torch.bfloat16
+        self.work = torch.empty(0)  # scratch, grown to the largest batch seen
+
+    @staticmethod
+    def supported(model: LlamaForCausalLM) -> bool:
+        """int8 linears packed for the VNNI kernel everywhere (biases on qkv only), the fused layer kernels and
+        the native attention over these caches."""
+        if not kernels.decoder_stack_available():
+            return False
+        for layer in model.decoder_layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.kv_cache is None or not all(isinstance(x, Int8Linear) and x.packed is not None for x in linears):
+                return False
+            if any(x.bias is not None for x in linears[1:]) or layer.input_layernorm.weight.dtype != torch.float32:
+                return False
+            query = torch.empty(1, attn.num_heads, attn.head_dim)
+            if not (kernels.layer_ops_supported(query) and kernels.attention_supported(query, attn.num_heads,
+                                                                                       attn.kv_cache[0])):
+                return False
+        return True
+
+    def bound_to(self, model: LlamaForCausalLM) -> bool:
+        return all(layer.self_attn.kv_cache is cache for layer, cache in zip(model.decoder_layers, self.caches))
+
+    def __call__(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual stream) for embeddings x [T, hidden] (updated in place)."""
+        needed = x.shape[0] * kernels.decoder_work_floats(*self.dims)
+        if self.work.numel() < needed:
+            self.work = torch.empty(needed)
+        out = kernels.decoder_forward(self.pointers, self.dims, self.eps, x, self.work, rope[0], rope[1],
+                                      meta.slot_mapping, self.block_size, meta.query_start, meta.seq_lens,
+                                      meta.block_tables, self.scale, self.kv_bf16)
+        return out, x
+
+
 class LlamaForCausalLM(nn.Module):
     """`quantization` is a resolved mode of `model/quant.py` ("none", "bf16", "int8"); it applies to every
     projection and to the LM head. A tied LM head doubles as the embedding table (one copy of the weights)."""
@@ -156,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
         self.lm_head = make_linear(quantization, config.hidden_size, config.vocab_size)
+        self._stack: NativeDecoderStack | None = None
+        self._stack_checked = False
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -168,10 +237,26 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of a flat token batch."""
         x = self.embed(input_ids)
         rope = self.rope(positions)
+        stack = self._native_stack()
+        if stack is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+            out, stream = stack(x.contiguous(), rope, meta)
+            return self.norm(out, stream)[0]
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, meta)
         return self.norm(x, residual)[0]
+
+    def _native_stack(self) -> NativeDecoderStack | None:
+        """The one-call decoder stack where it applies, built at the first step (the KV caches are bound by
+        then) and rebuilt if they are rebound."""
+        stack = self._stack
+        if stack is not None and stack.bound_to(self):
+            return stack
+        if self._stack_checked and stack is None:
+            return None
+        self._stack_checked = True
+        self._stack = NativeDecoderStack(self) if NativeDecoderStack.supported(self) else None
+        return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
