@@ -135,7 +135,8 @@ def test_short_request_finishes_while_long_streams_run(base_url: str) -> None:
     async def run() -> tuple[list[float], float, float]:
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
             async def long_stream() -> float:
-                body = {"model": MODEL, "prompt": "Write a long essay about the ocean.", "max_tokens": 160,
+                # long enough to outlast the short request on a fast step (~10 ms at batch 3 with int8)
+                body = {"model": MODEL, "prompt": "Write a long essay about the ocean.", "max_tokens": 800,
                         "temperature": 0, "ignore_eos": True, "stream": True}
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     async for _ in response.aiter_lines():
@@ -143,7 +144,7 @@ def test_short_request_finishes_while_long_streams_run(base_url: str) -> None:
                 return time.monotonic()
 
             longs = [asyncio.create_task(long_stream()) for _ in range(3)]
-            await asyncio.sleep(3.0)  # the long streams are decoding now
+            await asyncio.sleep(1.5)  # the long streams are decoding now
             start = time.monotonic()
             body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
                     "stream": True}
