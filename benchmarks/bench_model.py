@@ -154,7 +154,9 @@ def main() -> None:
         f"Model: bundled SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32, then converted per mode), device "
         f"{args.device}. Each sequence has a {args.prompt_len}-token prompt, then {args.steps} greedy decode steps "
         "are timed (one token per sequence per step, paged KV, block 16). *linears* = the share of the step that "
-        "the model's linears (projections and LM head) take when run alone on the same batch; *weights GB/s* = "
+        "the model's linears (projections and LM head) take when run alone on the same batch, called one by one "
+        "from Python (the int8 step runs its layers inside one native call, so at batch 1 its whole step can take "
+        "less than the linears called that way); *weights GB/s* = "
         "weight bytes read per step / step time (batch 1 is bound by it); *GFLOP/s* = 2 x parameters x batch / "
         "step time, against the mode's GEMM peak above.",
         "",
