@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import time
 from pathlib import Path
 
@@ -90,11 +91,13 @@ def main() -> None:
     parser.add_argument("--draft-quantization", default="int8", help="draft_model: the draft's linear layers")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--single-prompts", type=int, default=8, help="prompts run one by one (single stream)")
+    parser.add_argument("--speculative-config", default="{}", help="JSON: further keys of the speculative config")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     loaded = load_model(None)
     tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
     spec: dict[str, object] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    spec |= json.loads(args.speculative_config)
     if args.method == "draft_model":
         spec |= {"model": args.draft_model, "quantization": args.draft_quantization}
     plain = engine_for(loaded, tokenizer, args.quantization, None)
