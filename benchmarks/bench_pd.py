@@ -100,7 +100,7 @@ def main() -> None:
         "hand-off (the decode engine copies the prompt's KV, paced, in a background thread, on the one core it "
         "shares with the API server and the load generator; while the prefill engine holds the other core, "
         "those two take their share of the decode engine's, which the median during the prefill shows) and "
-        "with the long request's own first decode steps (its 3,000 tokens of float32 KV are read every step). "
+        "with the long request's own first decode steps (its 3,000 tokens of KV, bf16 since the KV cache follows the int8 linears, are read every step). "
         "Disaggregation loses on this machine where a "
         "prompt's speed matters: each side has half the cores, so a long prompt's TTFT and the total "
         "throughput drop. It wins where decode latency is the SLO and each side can be sized for its own load "
