@@ -293,6 +293,9 @@ class LlamaForCausalLM(nn.Module):
             attn.o_proj.load(take(p + "self_attn.o_proj.weight"))
             mlp.gate_up_proj.load(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
             mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if isinstance(linear, Int8Linear):
+                    linear.drop_rows()  # only a tied LM head looks rows up; freed before the next tensor loads
         ignored = {"lm_head.weight"} if tied else set()
         leftovers = [n for n in weights
                      if n not in taken and n not in ignored and not n.endswith("rotary_emb.inv_freq")]

@@ -132,7 +132,7 @@ class Int8Linear(QuantLinear):
         self.qweight: torch.Tensor  # [out, in] int8 (oneDNN reads it as a [in, out] view)
         self.scale: torch.Tensor  # [out] float32 per output channel
         # The weights packed for the grouped VNNI kernel (kernels/int8_rows.c) where this CPU runs it; then
-        # `qweight` serves only the tied embedding's row lookups and is not used by the GEMM.
+        # `qweight` serves only row lookups (a tied embedding) and layers without them drop it (`drop_rows`).
         self.packed: torch.Tensor | None = None
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features))
@@ -144,7 +144,14 @@ class Int8Linear(QuantLinear):
             self.packed = kernels.pack_vnni(self.qweight)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
+        if self.qweight.numel() == 0:
+            raise RuntimeError("this layer dropped its row-major weights (drop_rows)")
         return self.qweight[index].float() * self.scale[index].unsqueeze(-1)
+
+    def drop_rows(self) -> None:
+        """Free the row-major copy where the packed one serves every product (one int8 copy of the weights)."""
+        if self.packed is not None:
+            self.qweight = torch.empty(0, dtype=torch.int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
