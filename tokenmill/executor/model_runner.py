@@ -56,8 +56,8 @@ def kv_cache_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
     quality gate), else the model's dtype, so `--quantization none` stays exact."""
     if config.kv_cache_dtype != "auto":
         return _DTYPES[config.kv_cache_dtype]
-    native_bf16 = (torch.device(config.device).type == "cpu" and kernels.attention_bf16_available()
-                   and config.block_size == 16 and model.head_dim % 64 == 0)
+    native_bf16 = (torch.device(config.device).type == "cpu"
+                   and kernels.bf16_cache_supported(model.head_dim, config.block_size))
     return torch.bfloat16 if linear_mode(config) != "none" and native_bf16 else _DTYPES[config.dtype]
 
 
@@ -90,8 +90,7 @@ class ModelRunner:
                               model_config.head_dim, self.kv_dtype, self.device)
             for _ in range(model_config.num_layers)
         ]
-        for layer, cache in zip(self.model.decoder_layers, self.kv_caches):
-            layer.self_attn.kv_cache = cache
+        self.model.bind_kv_caches(self.kv_caches)
         self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype) * self.num_kv_blocks
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}

@@ -269,9 +269,15 @@ def native_attention_available() -> bool:
 
 @functools.cache
 def attention_bf16_available() -> bool:
-    """Whether the attention kernel reads bf16 caches here (its AVX-512 path: blocks of 16, head_dim % 64 == 0)."""
+    """Whether the attention kernel reads bf16 caches on this CPU at all (its AVX-512 path)."""
     lib = load_library("paged_attention")
     return lib is not None and bool(lib.paged_attention_bf16_available())
+
+
+def bf16_cache_supported(head_dim: int, block_size: int) -> bool:
+    """Whether the native attention reads a bf16 cache of these shapes (its AVX-512 path: blocks of 16,
+    head_dim a multiple of 64)."""
+    return block_size == 16 and head_dim % 64 == 0 and attention_bf16_available()
 
 
 def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tensor) -> bool:
@@ -279,7 +285,7 @@ def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tens
     within its compiled limits; bf16 caches only on its AVX-512 path)."""
     num_kv_heads, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if k_cache.dtype == torch.bfloat16:
-        cache_ok = block_size == 16 and head_dim % 64 == 0 and attention_bf16_available()
+        cache_ok = bf16_cache_supported(head_dim, block_size)
     else:
         cache_ok = k_cache.dtype == torch.float32
     return (

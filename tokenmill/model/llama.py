@@ -194,9 +194,6 @@ class NativeDecoderStack:
                 return False
         return True
 
-    def bound_to(self, model: LlamaForCausalLM) -> bool:
-        return all(layer.self_attn.kv_cache is cache for layer, cache in zip(model.decoder_layers, self.caches))
-
     def __call__(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual stream) for embeddings x [T, hidden] (updated in place)."""
         needed = x.shape[0] * kernels.decoder_work_floats(*self.dims)
@@ -223,8 +220,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
         self.lm_head = make_linear(quantization, config.hidden_size, config.vocab_size)
-        self._stack: NativeDecoderStack | None = None
-        self._stack_checked = False
+        self._stack: NativeDecoderStack | None = None  # set by bind_kv_caches
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -237,26 +233,19 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of a flat token batch."""
         x = self.embed(input_ids)
         rope = self.rope(positions)
-        stack = self._native_stack()
-        if stack is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            out, stream = stack(x.contiguous(), rope, meta)
+        if self._stack is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+            out, stream = self._stack(x.contiguous(), rope, meta)
             return self.norm(out, stream)[0]
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, meta)
         return self.norm(x, residual)[0]
 
-    def _native_stack(self) -> NativeDecoderStack | None:
-        """The one-call decoder stack where it applies, built at the first step (the KV caches are bound by
-        then) and rebuilt if they are rebound."""
-        stack = self._stack
-        if stack is not None and stack.bound_to(self):
-            return stack
-        if self._stack_checked and stack is None:
-            return None
-        self._stack_checked = True
+    def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give each layer its (K, V) cache; then the one-call decoder stack is set up where it applies."""
+        for layer, cache in zip(self.decoder_layers, caches):
+            layer.self_attn.kv_cache = cache
         self._stack = NativeDecoderStack(self) if NativeDecoderStack.supported(self) else None
-        return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
