@@ -111,6 +111,25 @@ def test_a_token_gets_bit_identical_attention_whatever_its_chunk_or_batch(dtype:
         assert torch.equal(alone.run(meta, alone.q[rows], alone.k[rows], alone.v[rows]), whole[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_is_bit_identical_whether_a_task_takes_one_kv_head_or_all(dtype: torch.dtype) -> None:
+    """With enough decodes for the threads, one task takes all of a sequence's kv heads (kernel docstring);
+    with more threads than decodes, one kv head each: the same numbers either way."""
+    if dtype == torch.bfloat16 and not kernels.attention_bf16_available():
+        pytest.skip("no AVX-512: bf16 caches take the torch path")
+    batch = Batch(2, 9, 3, 64, 16, [(1, 40), (1, 300), (1, 17), (3, 90)], dtype)
+    meta = batch.meta()
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 16):  # 3 decodes: all heads per task on 1 thread, one head per task on 16
+            torch.set_num_threads(count)
+            outs.append(batch.run(meta, batch.q, batch.k, batch.v))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_unsupported_shapes_fall_back() -> None:
     query = torch.randn(2, 128, 64)
     k_cache, _ = allocate_kv_cache(4, 16, 1, 64, torch.float32, CPU)
@@ -180,7 +199,7 @@ def _grouped_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: tor
 
 @pytest.mark.skipif(not kernels.int8_grouped_available(), reason="this CPU has no AVX512-VNNI")
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 960), (2, 1536, 576), (13, 576, 200), (64, 64, 33),
-                                              (9, 32, 16), (100, 96, 40)])
+                                              (9, 32, 16), (100, 96, 40), (3, 64, 48), (17, 64, 48)])
 def test_grouped_int8_linear_matches_its_torch_reference(rows: int, k: int, n: int) -> None:
     from tokenmill.model.quant import make_linear
 

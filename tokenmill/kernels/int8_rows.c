@@ -119,7 +119,11 @@ void quantize_groups(const float *x, int64_t rows, int64_t k, int64_t x_stride, 
     }
 GROUP_BLOCK(1)
 GROUP_BLOCK(2)
+GROUP_BLOCK(3)
 GROUP_BLOCK(4)
+GROUP_BLOCK(5)
+GROUP_BLOCK(6)
+GROUP_BLOCK(7)
 GROUP_BLOCK(8)
 
 // The int8 linear with grouped activations: out [rows, n] = (sum_g float(q_g . w_g) * scale_g) * weight_scale
@@ -141,14 +145,22 @@ void int8_linear_grouped(const float *x, int64_t rows, int64_t k, int64_t x_stri
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + b * 16) : _mm512_setzero_ps();
         __m512 facc[8];
         for (int64_t r = 0; r < rows;) {
-            const int64_t step = rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+            // up to 8 rows share each weight load, in blocks of near-equal size (9 rows: 5 + 4, not 8 + 1: a lone
+            // row in a block of its own costs about three rows of a full one; speculative verify steps are 5 or 9)
+            const int64_t blocks_left = (rows - r + 7) / 8, step = (rows - r + blocks_left - 1) / blocks_left;
             const int8_t *qr = q + r * k;
             const float *sr = scales + r * groups;
             const int32_t *cr = corr + r * groups;
-            if (step == 8) group_block_8(qr, sr, cr, wb, groups, k, facc);
-            else if (step == 4) group_block_4(qr, sr, cr, wb, groups, k, facc);
-            else if (step == 2) group_block_2(qr, sr, cr, wb, groups, k, facc);
-            else group_block_1(qr, sr, cr, wb, groups, k, facc);
+            switch (step) {
+                case 8: group_block_8(qr, sr, cr, wb, groups, k, facc); break;
+                case 7: group_block_7(qr, sr, cr, wb, groups, k, facc); break;
+                case 6: group_block_6(qr, sr, cr, wb, groups, k, facc); break;
+                case 5: group_block_5(qr, sr, cr, wb, groups, k, facc); break;
+                case 4: group_block_4(qr, sr, cr, wb, groups, k, facc); break;
+                case 3: group_block_3(qr, sr, cr, wb, groups, k, facc); break;
+                case 2: group_block_2(qr, sr, cr, wb, groups, k, facc); break;
+                default: group_block_1(qr, sr, cr, wb, groups, k, facc); break;
+            }
             for (int64_t i = 0; i < step; ++i) {
                 __m512 y = _mm512_mul_ps(facc[i], ws);
                 if (bias) y = _mm512_add_ps(y, bv);
