@@ -63,7 +63,9 @@ async def send_one(client: httpx.AsyncClient, model: str, item: WorkItem, token_
                     result.output_tokens = data["usage"]["completion_tokens"]
                     result.prompt_tokens = data["usage"]["prompt_tokens"]
                 for choice in data.get("choices", []):
-                    if choice.get("text"):
+                    # every streamed choice is a token's arrival, also one whose text is still empty (a token
+                    # that completes no character yet): vLLM's benchmark counts them the same way
+                    if "text" in choice:
                         chunks += 1
                         result.chunk_times.append(now)
                         if result.ttft is None:

@@ -27,9 +27,9 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     start: float = 0.0  # absolute (time.perf_counter) send time
-    ttft: float | None = None  # seconds to the first content chunk
+    ttft: float | None = None  # seconds to the first token event
     e2e: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # absolute arrival time of each content chunk
+    chunk_times: list[float] = field(default_factory=list)  # absolute arrival time of each streamed token event
     error: str | None = None
 
     @property

@@ -66,7 +66,7 @@ class EngineCore:
             if config.kv_role == "producer":
                 self.scheduler.finish_hook = self._save_kv
             else:
-                self.kv_loader = BackgroundKVLoader(self.connector, executor, busy=lambda: bool(self.scheduler.running))
+                self.kv_loader = BackgroundKVLoader(self.connector, executor)
                 self.scheduler.kv_loader = self.kv_loader
 
     def add_request(self, request: Request) -> None:
@@ -101,6 +101,7 @@ class EngineCore:
         stats = self.scheduler.last_stats
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         if self.proposer is not None:
+            self.proposer.observe_step(plan, time.perf_counter() - start, stats)
             self.proposer.propose(self.scheduler.running)
         # queue and memory state as the step leaves it (finished requests are gone)
         stats.num_running, stats.num_waiting, stats.kv_usage = self.current_state()

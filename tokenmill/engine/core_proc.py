@@ -5,6 +5,7 @@ Imports stay light at the top: the CPU set and thread count must be fixed before
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -69,6 +70,11 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
         reports.close(linger=2000)
         return
     core = engine.core
+    # Everything built so far (weights' metadata, the block pool, tokenizer tables) lives as long as the process:
+    # out of the collector's sight, a full collection no longer walks it (measured here: 80-200 ms pauses of the
+    # engine loop without this, as vLLM found).
+    gc.collect()
+    gc.freeze()
     reports.send_pyobj(CoreInfo(core.kv.num_blocks, core.kv.block_size,
                                 int(getattr(core.executor, "kv_cache_bytes", 0)), engine.max_model_len,
                                 start_seconds=time.monotonic() - started, rss_bytes=_rss_bytes(), cpus=options.cpus))
