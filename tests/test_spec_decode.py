@@ -13,13 +13,15 @@ from tests.conftest import CHAT_PROMPTS, LONG_PARAGRAPH, PLAIN_PROMPTS
 from tests.engine_utils import run_engine
 from tests.server_utils import live_server
 from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import SchedulerOutput
+from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import metric_value
 from tokenmill.spec_decode import SpeculativeConfig
 from tokenmill.spec_decode.ngram import propose_ngram
-from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.spec_decode.proposer import PROBE_INTERVAL, Proposer, StepCostModel, proposal_length, record_verification
 from tokenmill.spec_decode.rejection import verify_greedy, verify_random
 
 # ------------------------------------------------------------------ proposer and configuration
@@ -44,7 +46,7 @@ def test_speculative_config_parses_vllm_shapes_and_rejects_bad_ones() -> None:
             SpeculativeConfig.parse(bad)
 
 
-def test_proposer_respects_batch_size_length_limit_and_pauses_on_poor_acceptance() -> None:
+def test_proposer_respects_batch_size_length_limit_and_sizes_proposals_by_acceptance() -> None:
     config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=3)
     proposer = Proposer(config, EngineConfig(), 64)
 
@@ -59,14 +61,51 @@ def test_proposer_respects_batch_size_length_limit_and_pauses_on_poor_acceptance
     assert a.spec_token_ids == [3, 1, 2] and b.spec_token_ids == [3]  # b may emit 2 more tokens at most
     proposer.propose([a, b, decoding("c", 100)])
     assert a.spec_token_ids == []  # three running: the batch is crowded enough
-    a.spec_acceptance = 0.1
+    for _ in range(30):  # every proposal rejected: the estimate falls below what a row costs
+        record_verification(a, 4, 0)
     proposer.propose([a])
-    assert a.spec_token_ids == [] and a.spec_pause_steps == 8
-    for _ in range(8):
+    assert a.spec_token_ids == []
+    for _ in range(20):  # a row costs little alone: as the failures fade, it tries again
+        proposer.propose([a])
+    assert a.spec_token_ids
+    for rows in [1, 3] * 10:  # rows as dear as the rest of a step: a request at the prior does not pay...
+        proposer.cost.observe(rows, 1.0 + rows)
+    for _ in range(PROBE_INTERVAL - 1):
         proposer.propose([a])
         assert a.spec_token_ids == []
+    proposer.propose([a])  # ...but probes with one token now and then
+    assert a.spec_token_ids == [3]
+    proposer.cost = StepCostModel()
+    proposer.pool_rejections = 30.0  # all requests' proposals fail: the pool's estimate falls, then recovers
+    assert proposer.acceptance(decoding("x", 100)) < 0.1
+    for _ in range(200):
+        proposer.observe_step(SchedulerOutput([]), 0.0, SchedulerStats())
+    assert proposer.acceptance(decoding("x", 100)) > 0.3
+    for _ in range(30):  # every proposal accepted
+        record_verification(a, 4, 4)
     proposer.propose([a])
     assert a.spec_token_ids == [3, 1, 2]
+    fresh = decoding("d", 100)  # a new request starts from the others' acceptance
+    proposer.pool_accepted, proposer.pool_rejections = 0.0, 30.0
+    proposer.propose([fresh])
+    assert fresh.spec_token_ids == []
+    proposer.pool_accepted, proposer.pool_rejections = 90.0, 10.0
+    proposer.propose([fresh])
+    assert fresh.spec_token_ids == [3, 1, 2]
+
+
+def test_proposal_length_follows_the_break_even_of_a_row() -> None:
+    assert proposal_length(0.8, 0.05, 16) == 13  # 0.8^13 = 0.055 >= 0.05 > 0.8^14
+    assert proposal_length(0.8, 0.05, 4) == 4
+    assert proposal_length(0.5, 0.6, 4) == 0  # a crowded step: not even one token pays
+    assert proposal_length(0.9, 0.6, 8) == 4
+    model = StepCostModel()
+    assert model.break_even(1) == pytest.approx(0.05 / 1.05)  # the prior until steps of several sizes are seen
+    for rows in [1, 5] * 20:  # T = 10 ms + 2 ms per row
+        model.observe(rows, 0.010 + 0.002 * rows)
+    assert model.row_cost_ratio() == pytest.approx(0.2)
+    assert model.break_even(1) == pytest.approx(0.2 / 1.2)
+    assert model.break_even(30) == pytest.approx(6 / 7)
 
 
 # ------------------------------------------------------------------ verification

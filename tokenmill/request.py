@@ -70,11 +70,12 @@ class Request:
         self.logprobs: list[dict[int, float]] = []  # per output token: token id -> logprob (chosen + top-N)
         self.block_hashes: list[int] = []  # chained hashes of its full blocks (prefix caching)
         # Speculative decoding: tokens proposed for the next step (never part of all_token_ids until accepted),
-        # and the request's recent acceptance, which pauses its proposals when they stop paying.
+        # and its recent verifications (decaying counts of accepted tokens and of rejections), from which the
+        # proposer sizes its proposals (spec_decode/proposer.py).
         self.spec_token_ids: list[int] = []
-        self.spec_acceptance = 1.0
-        self.spec_pause_steps = 0
-        self.spec_pause_length = 0
+        self.spec_accepted = 0.0
+        self.spec_rejections = 0.0
+        self.spec_idle_steps = 0  # steps since it last proposed
         # Structured outputs: its grammar (compiling, then advanced by each emitted token); set by the scheduler.
         self.structured: StructuredOutputRequest | None = None
         # Prefill/decode disaggregation: on a producer {"do_remote_decode": True} (save the prompt's KV when

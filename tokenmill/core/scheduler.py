@@ -23,6 +23,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from tokenmill.request import Request, RequestStatus
+from tokenmill.spec_decode.proposer import record_verification
 from tokenmill.structured_output.backend import Grammar
 from tokenmill.structured_output.manager import StructuredOutputManager
 
@@ -77,6 +78,7 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_num_rejections: int = 0  # proposals not accepted in full
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
@@ -529,11 +531,12 @@ class Scheduler:
         stats.spec_num_drafts += 1
         stats.spec_num_draft_tokens += num_proposed
         stats.spec_num_accepted_tokens += num_accepted
+        stats.spec_num_rejections += num_accepted < num_proposed
         if len(stats.spec_accepted_per_pos) < num_proposed:
             stats.spec_accepted_per_pos.extend([0] * (num_proposed - len(stats.spec_accepted_per_pos)))
         for pos in range(num_accepted):
             stats.spec_accepted_per_pos[pos] += 1
-        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * num_accepted / num_proposed
+        record_verification(request, num_proposed, num_accepted)
 
     @staticmethod
     def _advance_grammar(request: Request, token: int) -> RequestStatus | None:

@@ -20,9 +20,9 @@ class SpeculativeConfig:
     quantization: str = "auto"
     # no speculation while this many requests (or more) are running: the batch already fills the machine
     disable_by_batch_size: int | None = None
-    # per request: stop proposing for a while when the recent acceptance rate falls below this (alone; the bar
-    # rises with the batch, see proposer.py)
-    min_acceptance_rate: float = 0.3
+    # per request: no proposals while its per-token acceptance estimate is below this, whatever the step cost
+    # model says (proposer.py sizes proposals by the cost of a row and the request's acceptance)
+    min_acceptance_rate: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
