@@ -24,6 +24,8 @@ from tokenmill.kv_transfer.connector import (
     TCPConnector,
     make_connector,
 )
+from tokenmill.kv_transfer.loader import BackgroundKVLoader
+from tokenmill.request import Request
 from tokenmill.router.policy import make_router
 from tokenmill.sampling_params import SamplingParams
 
@@ -68,6 +70,52 @@ def test_shared_memory_corruption_and_a_vanished_file_are_detected() -> None:
         with pytest.raises(KVTransferError, match="gone"):
             SharedMemoryConnector().load(params, 0)
     finally:
+        producer.close()
+
+
+class RecordingExecutor:
+    def __init__(self) -> None:
+        self.writes: list[tuple[list[int], torch.Tensor]] = []
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.writes.append((block_ids, data.clone()))
+
+
+def test_the_loader_stores_one_piece_per_poll_and_reports_failures() -> None:
+    producer = SharedMemoryConnector()
+    executor = RecordingExecutor()
+    block_bytes = 3 * 2 * 64 * 4
+    loader = BackgroundKVLoader(producer, executor, piece_bytes=2 * block_bytes)
+    try:
+        saved = blocks(5)
+        request = Request("r1", [1] * 77, SamplingParams())
+        request.kv_transfer_params = producer.save("r1", saved)
+        loader.start(request, 0, [10, 11, 12, 13, 14])
+        done: list[tuple[str, str | None, int, float]] = []
+        polls = 0
+        while not done:
+            loader.wait(1.0)
+            writes_before = len(executor.writes)
+            done = loader.poll()
+            assert len(executor.writes) - writes_before <= 1  # never more than one piece per step
+            polls += 1
+            assert polls < 100
+        assert [ids for ids, _ in executor.writes] == [[10, 11], [12, 13], [14]]
+        assert torch.equal(torch.cat([data for _, data in executor.writes]), saved.data)
+        assert done == [("r1", None, saved.data.numel() * 4, pytest.approx(done[0][3]))]
+        os.unlink(request.kv_transfer_params["path"])  # gone before the next request's fetch
+        loader.start(request, 0, [10, 11, 12, 13, 14])
+        failed: list[tuple[str, str | None, int, float]] = []
+        while not failed:
+            loader.wait(1.0)
+            failed = loader.poll()
+        assert failed[0][0] == "r1" and "gone" in (failed[0][1] or "")
+        skipped = Request("r2", [1] * 9, SamplingParams())
+        loader.skip(skipped)
+        loader.wait(1.0)
+        assert loader.poll() == [("r2", None, 0, 0.0)]
+    finally:
+        loader.close()
         producer.close()
 
 

@@ -109,8 +109,9 @@ class BackgroundKVLoader:
 
     def wait(self, timeout: float) -> None:
         """Block until a piece arrives (or `timeout`): a core with nothing else to do must not spin."""
-        self._arrived.wait(timeout)
         self._arrived.clear()
+        if self._pieces.empty():  # (one handed over before the clear is not waited for)
+            self._arrived.wait(timeout)
 
     def close(self) -> None:
         self._closed.set()
