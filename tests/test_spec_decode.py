@@ -21,7 +21,14 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import metric_value
 from tokenmill.spec_decode import SpeculativeConfig
 from tokenmill.spec_decode.ngram import propose_ngram
-from tokenmill.spec_decode.proposer import PROBE_INTERVAL, Proposer, StepCostModel, proposal_length, record_verification
+from tokenmill.spec_decode.proposer import (
+    COST_MARGIN,
+    PROBE_INTERVAL,
+    Proposer,
+    StepCostModel,
+    proposal_length,
+    record_verification,
+)
 from tokenmill.spec_decode.rejection import verify_greedy, verify_random
 
 # ------------------------------------------------------------------ proposer and configuration
@@ -100,12 +107,13 @@ def test_proposal_length_follows_the_break_even_of_a_row() -> None:
     assert proposal_length(0.5, 0.6, 4) == 0  # a crowded step: not even one token pays
     assert proposal_length(0.9, 0.6, 8) == 4
     model = StepCostModel()
-    assert model.break_even(1) == pytest.approx(0.05 / 1.05)  # the prior until steps of several sizes are seen
+    margin = COST_MARGIN
+    assert model.break_even(1) == pytest.approx(margin * 0.05 / 1.05)  # the prior until steps of several sizes
     for rows in [1, 5] * 20:  # T = 10 ms + 2 ms per row
         model.observe(rows, 0.010 + 0.002 * rows)
     assert model.row_cost_ratio() == pytest.approx(0.2)
-    assert model.break_even(1) == pytest.approx(0.2 / 1.2)
-    assert model.break_even(30) == pytest.approx(6 / 7)
+    assert model.break_even(1) == pytest.approx(margin * 0.2 / 1.2)
+    assert model.break_even(30) == 1.0  # 6 / 7 with the margin: nothing pays
 
 
 # ------------------------------------------------------------------ verification
