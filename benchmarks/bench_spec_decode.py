@@ -173,7 +173,9 @@ def main() -> None:
                         "decoding tok/s after the first token: speculative vs plain (speedup)",
                         "acceptance rate", "mean accepted length", "same tokens"], rows), "",
         "Acceptance rate: accepted / proposed tokens. Mean accepted length: tokens a request emits in a step where "
-        "it verified a proposal (accepted + the target's own; 1 + k at most).",
+        "it verified a proposal (accepted + the target's own; 1 + k at most). Repeated runs of the cost-sized "
+        "proposals on this host today: input-grounded single-stream decoding 1.83-2.19x (most about 2.0x), "
+        "with the prompts 1.55-1.92x; 32 streams 0.87-1.17x before the median-of-3 protocol.",
     ])
     if not args.no_write:
         write_section("spec_decode", body)
