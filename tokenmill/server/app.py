@@ -183,6 +183,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         if stats_task is not None:
             stats_task.cancel()
         await llm.shutdown()
+        gc.unfreeze()  # a process that goes on (tests, an embedding application) can collect them again
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.state.llm = llm
