@@ -103,9 +103,9 @@ class ModelRunner:
                                         dim=1) for k, v in self.kv_caches], dim=1).cpu()
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Store blocks read by `read_kv_blocks` (on another engine) into these blocks. Safe beside a running
-        step as long as no step touches these blocks: on CPU the copy is numpy's (no OpenMP team for the
-        calling thread, and the GIL released), as raw bytes, so any cache dtype goes."""
+        """Store blocks read by `read_kv_blocks` (on another engine) into these blocks, between steps (the KV
+        loader calls it from the engine's thread). On CPU the copy is numpy's, as raw bytes, so any cache dtype
+        goes."""
         data = data.to(self.device, self.kv_caches[0][0].dtype)
         if self.device.type != "cpu":
             index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
