@@ -15,9 +15,17 @@ from tests.conftest import LONG_PARAGRAPH, PLAIN_PROMPTS
 from tests.server_utils import live_server
 from tests.test_data_parallel import series, wait_idle
 from tests.test_operations import in_thread, post, read_sse
+from tokenmill.engine.async_engine import PREFILL_NICENESS
 from tokenmill.sampling_params import SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
+
+
+def assert_prefill_niced(health: dict[str, Any]) -> None:
+    """The prefill engine yields its CPU to the front end it shares it with; the decode engine does not."""
+    prefill, decode = (os.getpriority(os.PRIO_PROCESS, r["pid"]) for r in health["replicas"])
+    assert decode == os.getpriority(os.PRIO_PROCESS, 0)
+    assert prefill == min(19, decode + PREFILL_NICENESS)
 
 
 def test_1p1d_matches_colocated_frees_everything_and_survives_a_killed_prefill_engine(llm) -> None:  # noqa: ANN001
@@ -27,6 +35,7 @@ def test_1p1d_matches_colocated_frees_everything_and_survives_a_killed_prefill_e
         url = server.url
         health = httpx.get(url + "/health").json()
         assert [(r["role"], r["state"]) for r in health["replicas"]] == [("producer", "up"), ("consumer", "up")]
+        assert_prefill_niced(health)
 
         # 1. alone, then all at once, streamed or not: the colocated engine's greedy outputs
         body = {"model": MODEL, "max_tokens": 16, "temperature": 0}
@@ -64,4 +73,5 @@ def test_1p1d_matches_colocated_frees_everything_and_survives_a_killed_prefill_e
             assert time.monotonic() < deadline, "the prefill engine did not come back"
             time.sleep(0.25)
         assert post(url, {**body, "prompt": PLAIN_PROMPTS[2]}).json()["choices"][0]["text"] == expected[2]
+        assert_prefill_niced(httpx.get(url + "/health").json())  # the restarted one too
         wait_idle(url)

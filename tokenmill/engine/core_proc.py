@@ -30,6 +30,7 @@ class CoreProcessOptions:
     kv_events: bool = True
     log_level: str = "INFO"
     num_threads: int | None = None  # torch threads when not pinned (default: one per CPU of `cpus`)
+    niceness: int = 0  # added to the process's nice value: > 0 yields its CPUs to the processes it shares them with
 
 
 def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
@@ -43,6 +44,8 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
     threads = len(options.cpus) if options.cpus else options.num_threads
     if options.cpus:
         os.sched_setaffinity(0, options.cpus)
+    if options.niceness:
+        os.nice(options.niceness)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     logging.basicConfig(level=options.log_level.upper(),

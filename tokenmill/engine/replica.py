@@ -149,8 +149,9 @@ class ProcessReplica(Replica):
     can_restart = True
 
     def __init__(self, index: int, config: EngineConfig, cpus: list[int] | None, send_plans: bool = False,
-                 kv_events: bool = True, log_level: str = "INFO") -> None:
+                 kv_events: bool = True, log_level: str = "INFO", niceness: int = 0) -> None:
         super().__init__(index, config.kv_role)
+        self.niceness = niceness
         self.config = config
         self.cpus = cpus
         self.send_plans = send_plans
@@ -188,7 +189,7 @@ class ProcessReplica(Replica):
         reports.setsockopt(zmq.LINGER, 0)
         self._commands, self._reports = commands, reports
         options = CoreProcessOptions(self.index, self.cpus, self._bind(commands, "in"), self._bind(reports, "out"),
-                                     self.send_plans, self.kv_events, self.log_level)
+                                     self.send_plans, self.kv_events, self.log_level, niceness=self.niceness)
         self._process = self._spawn(options)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
