@@ -39,8 +39,12 @@ from tokenmill.model.tokenizer import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 # what repeated runs of this benchmark gave on the docs' host (it drifts by 10-20% within seconds)
-RUN_TO_RUN = ("Over 8 runs of this code on this host (same day), the 1P1D worst gap was 1.78-2.40x the median, at "
-              "most 2x in 6 of them (median run 1.95x); before the prefill engine ran niced, 2.0-5.1x over 6 runs.")
+RUN_TO_RUN = ("Over 12 runs of this code on this host (same day), the 1P1D worst gap was 1.78-4.94x the median, "
+              "at most 2x in 6 of them (median run 2.0x); before the prefill engine ran niced and the load "
+              "generator was pinned, 2.0-5.1x over 6 runs. Step traces of two runs above 2x put the worst gap on "
+              "one slow decode step (31 ms at the long request's first decode step; 61 ms during the prefill, "
+              "among steps of 12-14 ms), as the jitter check gives a decode engine alone on its core (up to 1.9x "
+              "the median with the other core idle, up to 3.6x with it busy, across these runs).")
 
 
 def metric_sum(url: str, name: str) -> float:

@@ -155,7 +155,7 @@ class AsyncLLM:
         # short streams' gaps over 25 ms during a long prefill 38 -> 8. The prefill engines run niced, so the
         # front end relaying decode tokens gets its CPU as soon as it wakes: at equal priority, step traces
         # showed 25-80 ms client gaps over decode steps of normal length (worst gap 2.0-5.1x the median
-        # inter-token time over 6 runs; niced, 1.8-2.4x over 8, the rest from decode steps and host jitter).
+        # inter-token time over 6 runs; niced, 1.8-4.9x over 12, the rest from decode steps and host jitter).
         front_end_cpus = {cpu for i in range(num_prefill) for cpu in cpu_share(i, total)}
         if front_end_cpus and front_end_cpus != set(os.sched_getaffinity(0)):
             os.sched_setaffinity(0, front_end_cpus)
