@@ -25,7 +25,7 @@ from tokenmill.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 # what repeated runs of this benchmark gave on the docs' host (it drifts by 10-20% within seconds)
-RUN_TO_RUN = ("Four runs at k = 6 on this host: input-grounded single stream 2.29-2.48x with the prompts, 2.69-2.96x "
+RUN_TO_RUN = ("Six runs at k = 6 on this host: input-grounded single stream 2.08-2.48x with the prompts, 2.48-2.96x "
               "decoding; open chat 1.14-1.27x; 32 streams 0.96-1.14x.")
 TEXT_TASKS = [
     "Repeat the following text exactly, word for word:",
