@@ -193,7 +193,7 @@ def main() -> None:
         "Disaggregation loses on this machine where a "
         "prompt's speed matters: each side has half the cores, so a long prompt's TTFT and the total "
         "throughput drop (and the prefill core also serves the front end and, here, the load generator: 32 mixed "
-        "requests' TTFT p50 is 7.5-8.0 s; 5.4 s before the prefill engine ran niced and the load generator was "
+        "requests' TTFT p50 is 6.0-8.0 s; 5.4 s before the prefill engine ran niced and the load generator was "
         "pinned). It "
         "wins where decode latency is the SLO and each side can be sized for its own load "
         "(GPU servers; `tokenmill sim` answers for given hardware).",
