@@ -96,7 +96,7 @@ def measure(flags: list[str], tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
-SPIN = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
+SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
 
 
 def host_jitter(tokenizer: Tokenizer, steps: int = 600) -> dict[str, tuple[int, float]]:

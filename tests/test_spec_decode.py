@@ -107,12 +107,11 @@ def test_proposal_length_follows_the_break_even_of_a_row() -> None:
     assert proposal_length(0.5, 0.6, 4) == 0  # a crowded step: not even one token pays
     assert proposal_length(0.9, 0.6, 8) == 4
     model = StepCostModel()
-    margin = COST_MARGIN
-    assert model.break_even(1) == pytest.approx(margin * 0.05 / 1.05)  # the prior until steps of several sizes
+    assert model.break_even(1) == pytest.approx(COST_MARGIN * 0.05 / 1.05)  # the prior until steps of several sizes
     for rows in [1, 5] * 20:  # T = 10 ms + 2 ms per row
         model.observe(rows, 0.010 + 0.002 * rows)
     assert model.row_cost_ratio() == pytest.approx(0.2)
-    assert model.break_even(1) == pytest.approx(margin * 0.2 / 1.2)
+    assert model.break_even(1) == pytest.approx(COST_MARGIN * 0.2 / 1.2)
     assert model.break_even(30) == 1.0  # 6 / 7 with the margin: nothing pays
 
 
