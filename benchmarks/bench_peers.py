@@ -3,10 +3,12 @@
 - offline (OpenVINO GenAI's protocol, `../shared/peers/openvino_bench.py`): one greedy stream of 256 tokens
   from "Once upon a time, in a village by the sea," and the 32 prompts of `../shared/peers/prompts32.json`
   submitted together, 128 tokens each, EOS ignored; median of 3. tokenmill runs its `LLM` with the same
-  prompts and settings; OpenVINO GenAI runs when `../shared/peers/openvino.sh setup` was done.
+  prompts and settings, prefix caching off as in OpenVINO's run (the repeats send the same prompts); OpenVINO
+  GenAI runs when `../shared/peers/openvino.sh setup` was done. `--runs` alternates the engines.
 - serving: `tokenmill serve` (no flags: the default fast path) and llama.cpp's `llama-server` (when
   `../shared/peers/llamacpp.sh build` was done), each driven by `tokenmill bench serve`'s load generator: one
-  stream (32-token prompt, 256 output tokens, EOS ignored), 32 `mixed` requests at once, and the worst stall
+  stream (32-token prompt, 256 output tokens, EOS ignored; a fresh prompt each repeat), 32 `mixed` requests at
+  once, and the worst stall
   of short streams while a 3,000-token prompt arrives (`long-interference`).
 
 `python benchmarks/bench_peers.py` prints the tables and writes the "peers" section of docs/BENCHMARKS.md.
@@ -29,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
-from tokenmill import LLM, SamplingParams
 from tokenmill.bench import workloads
 from tokenmill.bench.loadgen import run_load
+from tokenmill.bench.offline import OfflineRates, peer_protocol_llm, peer_protocol_rates
 from tokenmill.bench.report import machine_description, markdown_table, write_section
 from tokenmill.bench.server_process import free_port, live_server
 from tokenmill.bench.stats import summarize
@@ -45,20 +48,13 @@ PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill
 STORY = "Once upon a time, in a village by the sea,"
 
 
-def offline_tokenmill(quantization: str, prompts: list[str], repeats: int = 3) -> tuple[float, float]:
-    """(single-stream tok/s, 32-prompt output tok/s), medians of `repeats`."""
-    llm = LLM(quantization=quantization, max_num_seqs=64)
-    llm.generate([STORY], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
-
-    def rate(batch: list[str], tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
-        start = time.perf_counter()
-        outputs = llm.generate(batch, params)
-        return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
-
-    single = statistics.median(rate([STORY], 256) for _ in range(repeats))
-    batch = statistics.median(rate(prompts, 128) for _ in range(repeats))
-    return single, batch
+def offline_tokenmill(quantization: str, prompts: list[str], repeats: int = 3) -> OfflineRates:
+    """The peers' offline protocol on tokenmill's `LLM`, prefix caching off and 2 threads as in OpenVINO GenAI's
+    run (openvino_bench.py sets INFERENCE_NUM_THREADS 2)."""
+    torch.set_num_threads(2)
+    rates = peer_protocol_rates(peer_protocol_llm(quantization), STORY, prompts, repeats)
+    assert rates.prefix_hit_tokens == 0, "a repeat was served from the prefix cache"
+    return rates
 
 
 def offline_openvino(fmt: str) -> tuple[float, float] | None:
@@ -72,14 +68,26 @@ def offline_openvino(fmt: str) -> tuple[float, float] | None:
     return float(found.group(1)), float(found.group(2))
 
 
+# llama-server set up as tokenmill serves: 32 slots, so each of the 32 `mixed` requests runs at once (tokenmill
+# admits up to 64), and 512 prompt tokens a step (-b/-ub; tokenmill's max_num_batched_tokens): with
+# llamacpp.sh's -b 2048 a long prompt holds the other slots for 2,048 tokens, four of tokenmill's chunks.
+LLAMACPP_SLOTS, LLAMACPP_BATCH, LLAMACPP_CTX_PER_SLOT = 32, 512, 4096
+
+
 @contextmanager
 def llamacpp_server() -> Iterator[str | None]:
-    if not (PEERS_DIR / "llama.cpp" / "bin" / "llama-server").exists():
+    binary = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
+    if not binary.exists():
         yield None
         return
     port = free_port()
-    proc = subprocess.Popen(["bash", str(PEERS / "llamacpp.sh"), "serve", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    threads = str(os.cpu_count() or 1)
+    # llamacpp.sh's `serve` command line, with the slots and step size above
+    command = [str(binary), "-m", str(PEERS_DIR / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"), "--host",
+               "127.0.0.1", "--port", str(port), "--alias", "smollm2", "-np", str(LLAMACPP_SLOTS),
+               "-c", str(LLAMACPP_SLOTS * LLAMACPP_CTX_PER_SLOT), "-cb", "-t", threads, "-tb", threads,
+               "-b", str(LLAMACPP_BATCH), "-ub", str(LLAMACPP_BATCH), "--no-kv-unified", "--no-webui"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -96,22 +104,60 @@ def llamacpp_server() -> Iterator[str | None]:
         proc.wait(timeout=30)
 
 
-def serve_runs(url: str, model: str, tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
-    """Single stream (best of 3) and 32 mixed requests at once, through the same load generator."""
-    single_items = workloads.random_lengths(tokenizer, 1, input_len=32, output_len=256)
+def serve_runs(url: str, model: str, tokenizer: Tokenizer, repeats: int = 3) -> dict[str, Any]:
+    """Single stream (median of `repeats`, a fresh prompt each time, so neither server's prompt cache answers a
+    repeat) and 32 mixed requests at once, through the same load generator."""
     asyncio.run(run_load(url, model, workloads.random_lengths(tokenizer, 1, 32, 16, seed=9)))  # warm-up
     singles = []
-    for _ in range(3):
-        results, duration = asyncio.run(run_load(url, model, single_items))
-        singles.append(summarize(results, duration))
-    single = max(singles, key=lambda s: s["output_throughput"])
+    for repeat in range(repeats):
+        items = workloads.random_lengths(tokenizer, 1, input_len=32, output_len=256, seed=100 + repeat)
+        results, duration = asyncio.run(run_load(url, model, items))
+        singles.append(summarize(results, duration)["output_throughput"])
     mixed_items = workloads.mixed(tokenizer, 32, seed=0)
     results, duration = asyncio.run(run_load(url, model, mixed_items))
     # short streams long enough to still be decoding when the long prompt arrives, on a fast engine too
     long_prompt = workloads.long_interference(tokenizer, seed=0, short_output=1024, long_arrival=2.0)
     interference, _ = asyncio.run(run_load(url, model, long_prompt))
-    return {"single": single, "mixed": summarize(results, duration),
+    return {"single": singles, "mixed": summarize(results, duration),
             "stall": worst_gap_during_long_prefill(interference)}
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    """"median (min-max)" of repeated measurements."""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def offline_section(quantization: str, prompts: list[str], runs: int) -> list[str]:
+    """tokenmill and OpenVINO GenAI alternated `runs` times on the same protocol; each run's ratio is taken
+    between neighbouring measurements, so the host's drift between runs does not enter it."""
+    ours: list[OfflineRates] = []
+    peers: dict[str, list[tuple[float, float]]] = {"int8": [], "int4": []}
+    for run in range(runs):
+        ours.append(offline_tokenmill(quantization, prompts))
+        print(f"run {run}: tokenmill {quantization}: single {ours[-1].single}, 32x128 {ours[-1].batch}", flush=True)
+        for fmt, results in peers.items():
+            peer = offline_openvino(fmt)
+            print(f"run {run}: openvino {fmt}: {peer}", flush=True)
+            if peer:
+                results.append(peer)
+    single = [statistics.median(r.single) for r in ours]
+    batch = [statistics.median(r.batch) for r in ours]
+    rows: list[list[object]] = [[f"tokenmill (`--quantization {quantization}`, prefix caching off)", spread(single),
+                                 spread(batch), "", ""]]
+    for fmt, results in peers.items():
+        if len(results) != runs:
+            continue
+        rows.append([f"OpenVINO GenAI {fmt} (prefix caching off)", spread([p[0] for p in results]),
+                     spread([p[1] for p in results]),
+                     spread([s / p[0] for s, p in zip(single, results)], 2),
+                     spread([b / p[1] for b, p in zip(batch, results)], 2)])
+    return ["Offline (OpenVINO GenAI's protocol, `../shared/peers/openvino_bench.py`, on both sides: one greedy "
+            "stream of 256 tokens; 32 prompts of 5-400 tokens x 128 new tokens submitted together; EOS ignored; "
+            "2 threads; **prefix caching off** on both, so every repeat prefills its prompts; one warm-up not "
+            f"counted; each engine's median of 3 repeats; {runs} runs alternating the engines, shown as median "
+            "(min-max) over the runs, ratios taken run by run):", "",
+            markdown_table(["engine", "single stream tok/s", "32 prompts x 128: output tok/s",
+                            "tokenmill / it (single)", "tokenmill / it (32 prompts)"], rows), ""]
 
 
 def main() -> None:
@@ -119,6 +165,8 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", help="tokenmill's mode for the offline runs")
     parser.add_argument("--omp-wait-policy", default=os.environ.get("OMP_WAIT_POLICY", ""),
                         help="OMP_WAIT_POLICY for `tokenmill serve` (empty: libgomp's default)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="offline: alternate tokenmill and each OpenVINO format this many times (ratio spread)")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--no-write", action="store_true")
@@ -129,20 +177,7 @@ def main() -> None:
              "each engine measured alone, one after the other, in one run.", ""]
 
     if not args.skip_offline:
-        ours = offline_tokenmill(args.quantization, prompts)
-        print(f"tokenmill {args.quantization}: single {ours[0]:.1f} tok/s, 32x128 {ours[1]:.1f} tok/s", flush=True)
-        rows: list[list[object]] = [[f"tokenmill (`--quantization {args.quantization}`)", round(ours[0], 1),
-                                     round(ours[1], 1), "1.00", "1.00"]]
-        for fmt in ("int8", "int4"):
-            peer = offline_openvino(fmt)
-            print(f"openvino {fmt}: {peer}", flush=True)
-            if peer:
-                rows.append([f"OpenVINO GenAI {fmt}", peer[0], peer[1], f"{ours[0] / peer[0]:.2f}",
-                             f"{ours[1] / peer[1]:.2f}"])
-        lines += ["Offline (OpenVINO GenAI's protocol: one greedy stream of 256 tokens; 32 prompts of 5-400 "
-                  "tokens x 128 new tokens submitted together; EOS ignored; median of 3):", "",
-                  markdown_table(["engine", "single stream tok/s", "32 prompts x 128: output tok/s",
-                                  "tokenmill / it (single)", "tokenmill / it (32 prompts)"], rows), ""]
+        lines += offline_section(args.quantization, prompts, args.runs)
 
     if not args.skip_serve:
         tokenizer = Tokenizer.from_path(resolve_model_path(None))
@@ -151,26 +186,29 @@ def main() -> None:
         with llamacpp_server() as url:
             theirs = serve_runs(url, "smollm2", tokenizer) if url else None
         table = []
-        for name, result in (("tokenmill serve", ours_serve), ("llama.cpp llama-server (16 slots)", theirs)):
+        peer_name = f"llama.cpp llama-server ({LLAMACPP_SLOTS} slots, -b/-ub {LLAMACPP_BATCH})"
+        for name, result in (("tokenmill serve", ours_serve), (peer_name, theirs)):
             if result is None:
                 continue
             single, mixed = result["single"], result["mixed"]
-            table.append([name, round(single["output_throughput"], 1), round(mixed["total_token_throughput"], 1),
+            table.append([name, spread(single), round(mixed["total_token_throughput"], 1),
                           round(mixed["output_throughput"], 1), round(mixed["itl_s"]["p50"] * 1000, 1),
                           round(mixed["ttft_s"]["p50"], 2), round(result["stall"], 2)])
             print(name, table[-1], flush=True)
         if theirs:
-            ratio_single = ours_serve["single"]["output_throughput"] / theirs["single"]["output_throughput"]
+            ratio_single = statistics.median(ours_serve["single"]) / statistics.median(theirs["single"])
             ratio_mixed = ours_serve["mixed"]["total_token_throughput"] / theirs["mixed"]["total_token_throughput"]
             table.append(["tokenmill / llama.cpp", f"{ratio_single:.2f}", f"{ratio_mixed:.2f}", "", "", "",
                           f"{ours_serve['stall'] / theirs['stall']:.2f}"])
         policy = args.omp_wait_policy or "libgomp's default"
         lines += ["Serving over loopback with `tokenmill bench serve`'s load generator (tokenmill with "
-                  f"OMP_WAIT_POLICY {policy}): one stream of 256 tokens after a 32-token prompt (best of 3), "
+                  f"OMP_WAIT_POLICY {policy}; prefix caching on in both, as each serves by default, with no prompt "
+                  "repeated): one stream of 256 tokens after a 32-token prompt (median (min-max) of 3, a fresh "
+                  "prompt each), "
                   "and 32 `mixed` requests at once (prompts 32-512, outputs 8-512 heavy-tailed, EOS ignored); last "
                   "column: `long-interference`, the longest stall of 4 short streams (1,024 tokens each) while a "
-                  "3,000-token prompt arrives 2 s later and is prefilled (tokenmill with its default chunked prefill, "
-                  "512 tokens a step).", "",
+                  "3,000-token prompt arrives 2 s later and is prefilled (both 512 prompt tokens a step: tokenmill's "
+                  "default chunked prefill, llama.cpp's -b/-ub 512).", "",
                   markdown_table(["server", "single stream tok/s", "32 mixed: total tok/s", "32 mixed: output tok/s",
                                   "32 mixed: ITL p50 ms", "32 mixed: TTFT p50 s", "worst stall s"], table)]
     if not args.no_write:

@@ -12,6 +12,7 @@ import pytest
 from tokenmill.bench import workloads
 from tokenmill.bench.loadgen import arrival_times, run_load
 from tokenmill.bench.stats import RequestResult, percentiles, summarize
+from tokenmill.sampling_params import SamplingParams
 
 
 def test_request_result_derived_timings() -> None:
@@ -112,3 +113,23 @@ def test_bench_serve_cli_writes_json(base_url: str, tmp_path, capsys) -> None:  
     assert "completed 3, failed 0" in printed and "goodput" in printed
     report = json.loads(out.read_text())
     assert report["summary"]["completed"] == 3 and len(report["requests"]) == 3
+
+
+def test_peer_protocol_prefills_every_repeat(llm) -> None:  # noqa: ANN001
+    """The offline comparison with OpenVINO GenAI (prefix caching off there) repeats the same prompts: tokenmill's
+    side must prefill them every time too, never answer a repeat from its prefix cache."""
+    from tokenmill.bench.offline import peer_protocol_llm, peer_protocol_rates
+
+    prompts = ["The history of computing is a story of layers, each hiding the one below. " * 3,
+               "Serving language models is a scheduling problem as much as an arithmetic one. " * 3]
+    with pytest.raises(ValueError, match="prefix caching off"):
+        peer_protocol_rates(llm, "Once upon a time", prompts)  # the shared fixture caches prefixes
+    ours = peer_protocol_llm("none")
+    assert not ours.engine.config.enable_prefix_caching
+    rates = peer_protocol_rates(ours, "Once upon a time", prompts, repeats=2, single_tokens=4, batch_tokens=4)
+    assert len(rates.single) == len(rates.batch) == 2 and min(rates.single + rates.batch) > 0
+    assert rates.prefix_hit_tokens == 0
+    # the same prompts on an engine that caches prefixes do hit: the check above could fail
+    hits_before = llm.engine.core.kv.prefix_hits
+    llm.generate(prompts + prompts, SamplingParams(temperature=0, max_tokens=1))
+    assert llm.engine.core.kv.prefix_hits > hits_before

@@ -1,12 +1,15 @@
-"""Offline (in-process) throughput runs on an engine, with KV statistics per step."""
+"""Offline (in-process) throughput runs on an engine, with KV statistics per step, and the peers' offline
+protocol (the one `../shared/peers/openvino_bench.py` runs) on an `LLM`."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 from tokenmill.bench.workloads import WorkItem
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -38,3 +41,37 @@ def run_offline(engine: LLMEngine, items: list[WorkItem]) -> dict[str, float]:
         "prefix_hit_rate": kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
         "preemptions": engine.scheduler.total_preemptions,
     }
+
+
+@dataclass
+class OfflineRates:
+    """Output tokens/s of the peers' offline protocol, one value per repeat (warm-up excluded)."""
+
+    single: list[float]
+    batch: list[float]
+    prefix_hit_tokens: int  # prompt tokens served from the prefix cache over the run: 0 by construction
+
+
+def peer_protocol_llm(quantization: str, model: str | None = None) -> LLM:
+    """An `LLM` set up as the offline peers run: prefix caching off (OpenVINO GenAI's benchmark sets
+    `enable_prefix_caching = False`), so repeating the same prompts measures prefill every time."""
+    return LLM(model, quantization=quantization, max_num_seqs=64, enable_prefix_caching=False)
+
+
+def peer_protocol_rates(llm: LLM, story: str, prompts: list[str], repeats: int = 3, single_tokens: int = 256,
+                        batch_tokens: int = 128) -> OfflineRates:
+    """One greedy stream of `single_tokens` from `story`, then all `prompts` at once with `batch_tokens` each,
+    EOS ignored, `repeats` times each after one short warm-up (not counted)."""
+    if llm.engine.config.enable_prefix_caching:
+        raise ValueError("the peers' offline protocol runs with prefix caching off: use peer_protocol_llm()")
+    llm.generate([story], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+
+    def rate(batch: list[str], tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+    single = [rate([story], single_tokens) for _ in range(repeats)]
+    batch = [rate(prompts, batch_tokens) for _ in range(repeats)]
+    return OfflineRates(single, batch, llm.engine.core.kv.prefix_hits)
