@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from tokenmill.model.rope import RopeScaling
 
 BatchingMode = Literal["continuous", "dynamic", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -11,7 +13,9 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (llama, mistral, qwen2)."""
+    """Shape of a decoder of the Llama lineage and the options its families add (model/families.py says which
+    family sets which): QK-norm (Qwen3, Gemma 3), norms around attention and MLP outputs (Gemma), GeGLU,
+    scaled embeddings, sliding windows (Mistral, Gemma 3, with their own rope base on Gemma 3), rope scaling."""
 
     architecture: str
     vocab_size: int
@@ -28,10 +32,37 @@ class ModelConfig:
     qkv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before rope
+    sandwich_norm: bool = False  # RMSNorm on the attention and MLP outputs before each residual add
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None  # a windowed layer's query sees this many keys, itself included
+    sliding_layers: tuple[int, ...] = ()  # the layers with the window
+    rope_local_theta: float | None = None  # rope base of the windowed layers (Gemma 3), unscaled; None: rope_theta
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act must be silu or gelu_tanh, got {self.hidden_act!r}")
+        if self.sliding_layers and not self.sliding_window:
+            raise ValueError("sliding_layers needs a sliding_window")
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
+
+    @property
+    def plain_llama(self) -> bool:
+        """No family option set: the shape the native one-call decoder stack implements."""
+        return not (self.qk_norm or self.sandwich_norm or self.hidden_act != "silu" or self.embed_scale
+                    or self.sliding_layers or self.final_logit_softcapping)
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")

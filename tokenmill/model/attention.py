@@ -144,19 +144,24 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
+    """`window`: a query at position p sees keys p - window + 1 .. p (sliding-window layers); the native kernel
+    attends full contexts only, so windowed layers take the torch path."""
     out = torch.empty_like(q)
-    if kernels.attention_supported(q, q.shape[1], k_cache):
+    if window is None and kernels.attention_supported(q, q.shape[1], k_cache):
         kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, scale)
         return out
     split = meta.reference
     if split.decode_rows.numel():
-        out[split.decode_rows] = _decode_attention_torch(q[split.decode_rows], k_cache, v_cache, split, scale)
+        out[split.decode_rows] = _decode_attention_torch(q[split.decode_rows], k_cache, v_cache, split, scale,
+                                                         window)
     for p in split.prefills:
         # 4-D [1, heads, q, hd] inputs: torch's CPU flash kernel only takes batched 4-D tensors; 3-D ones fall
         # back to the math path, which is 6x slower on a 3,000-token prompt.
         query = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
-        if p.mask is None:  # no cached context: the new tokens are the whole sequence
+        mask = p.mask if window is None else _window_mask(p.end - p.start, p.seq_len, window, q.device)
+        if mask is None:  # no cached context: the new tokens are the whole sequence
             keys = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
             values = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
@@ -164,17 +169,27 @@ def paged_attention(
         else:
             keys, values = _gather_kv(k_cache, v_cache, p.block_table[None], q.dtype)
             attn = F.scaled_dot_product_attention(query, keys[:, :, :p.seq_len], values[:, :, :p.seq_len],
-                                                  attn_mask=p.mask, scale=scale, enable_gqa=True)
+                                                  attn_mask=mask, scale=scale, enable_gqa=True)
         out[p.start:p.end] = attn[0].transpose(0, 1)
     return out
 
 
+def _window_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[q_len, seq_len] bool: causal and within the window, for the last q_len positions of seq_len."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
 def _decode_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            split: ReferenceSplit, scale: float) -> torch.Tensor:
+                            split: ReferenceSplit, scale: float, window: int | None = None) -> torch.Tensor:
     """The reference decode path: gather every sequence's blocks (padded), one batched SDPA with a length mask."""
     keys, values = _gather_kv(k_cache, v_cache, split.decode_block_tables, query.dtype)
-    key_index = torch.arange(keys.shape[2], device=query.device)
-    mask = (key_index[None, :] < split.decode_seq_lens[:, None])[:, None, None, :]
-    attn = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
-                                          enable_gqa=True)
+    key_index = torch.arange(keys.shape[2], device=query.device)[None, :]
+    lengths = split.decode_seq_lens[:, None]
+    visible = key_index < lengths
+    if window is not None:
+        visible &= key_index >= lengths - window
+    attn = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
+                                          scale=scale, enable_gqa=True)
     return attn.squeeze(2)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (llama, mistral, qwen2): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The decoder of the Llama lineage: RMSNorm, RoPE, grouped-query attention, a gated MLP, with the options its
+families add (`ModelConfig`: QK-norm, sandwich norms, GeGLU, scaled embeddings, sliding windows, rope scaling).
 
 `forward` runs over one flat token batch that mixes prompt chunks and decode tokens of many sequences; the
 attention layers read the paged KV cache through `AttentionMetadata`. q/k/v and gate/up projections are fused
@@ -18,8 +19,7 @@ from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenmill.model.quant import Int8Linear, make_linear
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, head_dim] of one step's positions
+from tokenmill.model.rope import RopeTables, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -38,28 +38,14 @@ class RMSNorm(nn.Module):
             return kernels.add_rms_norm(residual, x, self.weight, self.eps), residual
         if residual is not None:
             x = x + residual
+        return self.plain(x), x
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x) over the last dimension, no residual (computed in float32, as transformers does)."""
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype), x
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (Hugging Face layout) with a cos/sin table for every position."""
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos: torch.Tensor
-        self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> RopeTables:
-        """(cos, sin) [T, hd] of a step's positions: looked up once per step, shared by every layer."""
-        return self.cos[positions], self.sin[positions]
+        return self.weight * h.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,7 +58,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, quantization: str) -> None:
+    def __init__(self, config: ModelConfig, quantization: str, window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -81,17 +67,33 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = make_linear(quantization, config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias)
         self.o_proj = make_linear(quantization, self.q_size, config.hidden_size)
-        self.scale = self.head_dim**-0.5
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = config.softmax_scale
+        self.window = window  # keys a query sees (itself included) on a sliding-window layer; None: all
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
+
+    def _norm_heads(self, qkv: torch.Tensor) -> None:
+        """QK-norm, in place on the fused projection: each head's q and k through its RMSNorm."""
+        assert self.q_norm is not None and self.k_norm is not None
+        tokens = qkv.shape[0]
+        for norm, start, heads in ((self.q_norm, 0, self.num_heads),
+                                   (self.k_norm, self.q_size, self.num_kv_heads)):
+            part = qkv[:, start:start + heads * self.head_dim]
+            part.copy_(norm.plain(part.reshape(tokens * heads, self.head_dim)).view(tokens, -1))
 
     def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: the model runner allocates it before the first step")
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            self._norm_heads(qkv)
         k_cache, v_cache = self.kv_cache
         cos, sin = rope
-        if kernels.layer_ops_supported(qkv) and kernels.attention_supported(qkv, self.num_heads, k_cache):
+        native = (self.window is None and kernels.layer_ops_supported(qkv)
+                  and kernels.attention_supported(qkv, self.num_heads, k_cache))
+        if native:
             q = kernels.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
                                        k_cache, v_cache)
             out = torch.empty_like(q)
@@ -105,7 +107,7 @@ class Attention(nn.Module):
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -113,32 +115,45 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, quantization: str) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_up_proj = make_linear(quantization, config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = make_linear(quantization, config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if kernels.layer_ops_supported(gate_up):
+        if not self.gelu and kernels.layer_ops_supported(gate_up):
             return self.down_proj(kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, quantization: str) -> None:
+    def __init__(self, config: ModelConfig, quantization: str, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, quantization)
+        self.self_attn = Attention(config, quantization, window)
+        # the norm in front of the MLP (Gemma calls it pre_feedforward_layernorm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, quantization)
+        # Gemma's sandwich: the attention and MLP outputs are normalized before their residual adds
+        sandwich = config.sandwich_norm
+        self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it is added): vLLM's layout, so each residual
         add fuses with the RMSNorm after it."""
         h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, meta), residual)
-        return self.mlp(h), residual
+        h = self.self_attn(h, rope, meta)
+        if self.attn_output_norm is not None:
+            h = self.attn_output_norm.plain(h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        h = self.mlp(h)
+        if self.mlp_output_norm is not None:
+            h = self.mlp_output_norm.plain(h)
+        return h, residual
 
 
 class NativeDecoderStack:
@@ -170,7 +185,7 @@ class NativeDecoderStack:
         self.dims = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                      config.intermediate_size)
         self.eps = config.rms_norm_eps
-        self.scale = config.head_dim**-0.5
+        self.scale = config.softmax_scale
         self.block_size = self.caches[0][0].shape[3]
         self.kv_bf16 = self.caches[0][0].dtype == torch.bfloat16
         self.work = torch.empty(0)  # scratch, grown to the largest batch seen
@@ -179,7 +194,7 @@ class NativeDecoderStack:
     def supported(model: LlamaForCausalLM) -> bool:
         """int8 linears packed for the VNNI kernel everywhere (biases on qkv only), the fused layer kernels and
         the native attention over these caches."""
-        if not kernels.decoder_stack_available():
+        if not (kernels.decoder_stack_available() and model.config.plain_llama):
             return False
         for layer in model.decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -216,9 +231,15 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (
             None if config.tie_word_embeddings else nn.Embedding(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, quantization) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, quantization, config.window_of(i))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                    config.rope_scaling)
+        # Gemma 3's windowed layers rotate with their own base, unscaled
+        self.local_rope = (None if config.rope_local_theta is None else
+                           RotaryEmbedding(config.head_dim, config.rope_local_theta, config.max_position_embeddings))
+        self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale)
         self.lm_head = make_linear(quantization, config.hidden_size, config.vocab_size)
         self._stack: NativeDecoderStack | None = None  # set by bind_kv_caches
 
@@ -227,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
         return cast(list[DecoderLayer], list(self.layers))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.rows(input_ids) if self.embed_tokens is None else self.embed_tokens(input_ids)
+        x = self.lm_head.rows(input_ids) if self.embed_tokens is None else self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat token batch."""
@@ -236,9 +258,10 @@ class LlamaForCausalLM(nn.Module):
         if self._stack is not None and x.device.type == "cpu" and x.dtype == torch.float32:
             out, stream = self._stack(x.contiguous(), rope, meta)
             return self.norm(out, stream)[0]
+        local_rope = rope if self.local_rope is None else self.local_rope(positions)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, meta)
+        for layer in self.decoder_layers:
+            x, residual = layer(x, residual, rope if layer.self_attn.window is None else local_rope, meta)
         return self.norm(x, residual)[0]
 
     def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -248,7 +271,9 @@ class LlamaForCausalLM(nn.Module):
         self._stack = NativeDecoderStack(self) if NativeDecoderStack.supported(self) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -274,7 +299,15 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            if layer.attn_output_norm is not None and layer.mlp_output_norm is not None:  # Gemma's names
+                layer.attn_output_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(take(p + "pre_feedforward_layernorm.weight"))
+                layer.mlp_output_norm.weight.copy_(take(p + "post_feedforward_layernorm.weight"))
+            else:
+                layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            if attn.q_norm is not None and attn.k_norm is not None:
+                attn.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
+                attn.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
             qkv_bias = None
             if attn.qkv_proj.bias is not None:
                 qkv_bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])

@@ -9,19 +9,31 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenmill.model.loader import gguf_field
 
 # GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+SPIECE_SPACE = "\u2581"
 
 # A generic ChatML template for models that ship none.
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# Templates for families whose files may carry none (llama.cpp has the same built in). Gemma: no system role
+# (a system message is prefixed to the first user turn), the assistant is "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+    "{% set messages = messages[1:] %}{% else %}{% set first = '' %}{% endif %}"
+    "{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first if loop.first else '') + message['content'] | trim + "
+    "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+BUILTIN_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
 
 
 class Tokenizer:
@@ -56,24 +68,22 @@ class Tokenizer:
 
             reader = GGUFReader(path)
         kind = gguf_field(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (supported: 'gpt2' BPE)")
         tokens: list[str] = list(gguf_field(reader, "tokenizer.ggml.tokens"))
         types: list[int] = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        steps: list[pre_tokenizers.PreTokenizer] = []
-        if gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
-            # llama.cpp's smollm pre-tokenizer splits digits one by one before the GPT-2 regex.
-            steps.append(pre_tokenizers.Digits(individual_digits=True))
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-        backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            backend = _byte_level_bpe(reader, tokens)
+        elif kind == "llama":
+            backend = _sentencepiece_bpe(tokens, types,
+                                         bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True)))
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE, "
+                             "'llama' SentencePiece)")
         backend.add_special_tokens(
             [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL])
-        backend.add_tokens(
-            [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED])
+        # user-defined pieces are matched whole, except runs of spaces, which the SentencePiece merges build
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types)
+                            if t == _USER_DEFINED and backend.token_to_id(tokens[i]) == i])
+        architecture = str(gguf_field(reader, "general.architecture"))
 
         def token_id(key: str) -> int | None:
             value = gguf_field(reader, key)
@@ -84,7 +94,7 @@ class Tokenizer:
             bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
             eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
             add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
-            chat_template=gguf_field(reader, "tokenizer.chat_template"),
+            chat_template=gguf_field(reader, "tokenizer.chat_template") or BUILTIN_CHAT_TEMPLATES.get(architecture),
         )
 
     @classmethod
@@ -136,6 +146,49 @@ class Tokenizer:
         # The template writes the special tokens itself, so none are added here (as transformers does).
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+def _byte_level_bpe(reader: Any, tokens: list[str]) -> HFTokenizer:
+    """GPT-2-style byte-level BPE with the file's merges (Llama 3, Qwen, SmolLM)."""
+    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
+    backend = HFTokenizer(models.BPE(vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    steps: list[pre_tokenizers.PreTokenizer] = []
+    if gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
+        # llama.cpp's smollm pre-tokenizer splits digits one by one before the GPT-2 regex.
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(tokens: list[str], types: list[int], add_space_prefix: bool) -> HFTokenizer:
+    """SentencePiece BPE (llama.cpp's 'llama' tokenizer model: Gemma, Llama 2, Mistral) as a `tokenizers` BPE:
+    SentencePiece merges the adjacent pair whose merged piece ranks best, which is BPE with merges ranked by
+    the merged piece. The rank is the piece's place in the vocabulary: the scores say the same for normal pieces
+    but give user-defined ones (Gemma's runs of spaces) -1000, though SentencePiece builds them first.
+    Spaces are written as U+2581; bytes missing from the vocabulary fall back to <0xNN> tokens."""
+    # Gemma files spell whitespace-only pieces with real spaces; the normalizer writes U+2581 for them
+    pieces = [t.replace(" ", SPIECE_SPACE) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    candidates: list[tuple[int, int, int, str, str]] = []
+    for index, piece in enumerate(pieces):
+        if types[index] not in (_NORMAL, _USER_DEFINED) or len(piece) < 2:
+            continue  # control and byte pieces are never merge results
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((index, -len(left), vocab[left], left, right))
+    candidates.sort()  # best piece first; for one piece, the longer left part first
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[(c[3], c[4]) for c in candidates], unk_token="<unk>",
+                                     fuse_unk=True, byte_fallback=True))
+    steps: list[normalizers.Normalizer] = [normalizers.Prepend(SPIECE_SPACE)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPIECE_SPACE)])
+    out: list[decoders.Decoder] = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        out.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(out)
+    return backend
 
 
 def _compile_template(source: str) -> jinja2.Template:
