@@ -16,6 +16,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template itself) instead of the model's")
     g.add_argument("--device", default=defaults.device)
     g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "float16", "bfloat16"])
     g.add_argument("--quantization", "-q", default=defaults.quantization, choices=["auto", "none", "int8", "bf16"],
@@ -42,7 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+        model=args.model, chat_template=args.chat_template, device=args.device, dtype=args.dtype,
+        quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -108,6 +111,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from tokenmill.server.app import ServerOptions, run_server
 
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise SystemExit(f"two models given: {args.model_path!r} and --model {args.model!r}")
+        args.model = args.model_path
+
     options = ServerOptions(
         served_model_name=args.served_model_name, api_key=args.api_key,
         max_request_body_bytes=args.max_request_body_bytes, request_timeout=args.request_timeout,
@@ -136,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                       help="GGUF file or HF directory, as `vllm serve MODEL` (same as --model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"))

@@ -73,6 +73,8 @@ class EngineConfig:
     """Knobs of the engine. `model=None` selects the bundled SmolLM2-135M-Instruct GGUF."""
 
     model: str | None = None
+    # a Jinja chat template (a file or the template itself) instead of the model's (vLLM's --chat-template)
+    chat_template: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     # Linear-layer weights (model/quant.py): "auto" picks the fastest mode this machine supports at start-up;

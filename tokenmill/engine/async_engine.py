@@ -169,7 +169,7 @@ class AsyncLLM:
         from tokenmill.model.tokenizer import Tokenizer
 
         loaded = load_model(config.model)
-        tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
+        tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader, config.chat_template)
         max_model_len, eos = model_limits(loaded, tokenizer, config)
         launch_all(replicas)
         capacity = min(r.info.num_kv_blocks * r.info.block_size for r in replicas if r.info is not None)

@@ -37,7 +37,8 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         loaded = load_model(config.model)
-        return cls.from_loaded(config, loaded, Tokenizer.from_path(loaded.path, loaded.gguf_reader))
+        return cls.from_loaded(config, loaded, Tokenizer.from_path(loaded.path, loaded.gguf_reader,
+                                                                  config.chat_template))
 
     @classmethod
     def from_loaded(cls, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer) -> LLMEngine:

@@ -26,6 +26,7 @@ class Family:
     qk_norm: bool = False
     gemma: bool = False  # (1 + w) norms, sandwich norms, GeGLU, sqrt(hidden)-scaled embeddings
     gguf_rotary_permuted: bool = False  # llama.cpp interleaves the rotary halves of q/k rows (llama arch)
+    fused_projections: bool = False  # checkpoints hold qkv_proj and gate_up_proj already fused (Phi-3)
 
 
 FAMILIES = (
@@ -34,6 +35,7 @@ FAMILIES = (
     Family("qwen2", ("qwen2",), ("qwen2",), qkv_bias=True),
     Family("qwen3", ("qwen3",), ("qwen3",), qk_norm=True),
     Family("gemma3", ("gemma3_text",), ("gemma3",), qk_norm=True, gemma=True),
+    Family("phi3", ("phi3",), ("phi3",), fused_projections=True),
 )
 SUPPORTED_HF_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.hf_model_types)
 SUPPORTED_GGUF_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.gguf_architectures)
@@ -128,6 +130,8 @@ def hf_model_config(raw: dict[str, Any], generation_config: dict[str, Any] | Non
     hidden = int(raw["hidden_size"])
     num_layers = int(raw["num_hidden_layers"])
     head_dim = int(raw.get("head_dim") or hidden // heads)
+    if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1, e.g. Phi-4-mini) are not supported")
     theta, scaling, local_theta = _hf_rope(raw)
     sliding = _hf_sliding_layers(raw, family, num_layers)
     options: dict[str, Any] = {}
@@ -270,6 +274,11 @@ _GGUF_GEMMA_LAYER_NAMES = _GGUF_LAYER_NAMES | {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3 files fuse q/k/v (attn_qkv) and gate/up (ffn_up holds both halves)
+_GGUF_PHI3_LAYER_NAMES = _GGUF_LAYER_NAMES | {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -282,7 +291,8 @@ GGUF_CONFIG_TENSORS = ("rope_freqs.weight",)
 def hf_tensor_name(gguf_name: str, family: Family) -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
-    names = _GGUF_GEMMA_LAYER_NAMES if family.gemma else _GGUF_LAYER_NAMES
+    names = (_GGUF_GEMMA_LAYER_NAMES if family.gemma else
+             _GGUF_PHI3_LAYER_NAMES if family.fused_projections else _GGUF_LAYER_NAMES)
     prefix, layer, rest = gguf_name.split(".", 2)
     if prefix != "blk" or rest not in names:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for architecture {family.name!r}")

@@ -308,12 +308,20 @@ class LlamaForCausalLM(nn.Module):
             if attn.q_norm is not None and attn.k_norm is not None:
                 attn.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
                 attn.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
-            qkv_bias = None
-            if attn.qkv_proj.bias is not None:
-                qkv_bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            attn.qkv_proj.load(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias)
+            if p + "self_attn.qkv_proj.weight" in weights:  # stored fused (Phi-3): q, k, v rows in that order
+                fused_bias = p + "self_attn.qkv_proj.bias"
+                attn.qkv_proj.load(take(p + "self_attn.qkv_proj.weight"),
+                                   take(fused_bias) if attn.qkv_proj.bias is not None else None)
+            else:
+                qkv_bias = None
+                if attn.qkv_proj.bias is not None:
+                    qkv_bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                attn.qkv_proj.load(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias)
             attn.o_proj.load(take(p + "self_attn.o_proj.weight"))
-            mlp.gate_up_proj.load(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            if p + "mlp.gate_up_proj.weight" in weights:  # gate rows, then up rows
+                mlp.gate_up_proj.load(take(p + "mlp.gate_up_proj.weight"))
+            else:
+                mlp.gate_up_proj.load(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
             mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if isinstance(linear, Int8Linear):

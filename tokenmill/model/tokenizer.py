@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -18,11 +19,6 @@ from tokenmill.model.loader import gguf_field
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 SPIECE_SPACE = "\u2581"
 
-# A generic ChatML template for models that ship none.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 # Templates for families whose files may carry none (llama.cpp has the same built in). Gemma: no system role
 # (a system message is prefixed to the first user turn), the assistant is "model".
@@ -43,9 +39,13 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos_token = add_bos_token
-        self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self._template = _compile_template(self.chat_template)
+        self.set_chat_template(chat_template)
+
+    def set_chat_template(self, source: str | None) -> None:
+        """None or "": the model has none, and chat requests are refused with a clear error."""
+        self.chat_template = source or ""
+        self._template = _compile_template(source) if source else None
 
     @property
     def bos_token(self) -> str:
@@ -58,8 +58,14 @@ class Tokenizer:
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def from_path(cls, path: str, gguf_reader: Any = None) -> Tokenizer:
-        return cls.from_hf_dir(path) if os.path.isdir(path) else cls.from_gguf(path, gguf_reader)
+    def from_path(cls, path: str, gguf_reader: Any = None, chat_template: str | None = None) -> Tokenizer:
+        """`chat_template` (vLLM's --chat-template): a file with a Jinja template, or the template itself,
+        used instead of the model's."""
+        tokenizer = cls.from_hf_dir(path) if os.path.isdir(path) else cls.from_gguf(path, gguf_reader)
+        if chat_template is not None:
+            tokenizer.set_chat_template(Path(chat_template).read_text() if os.path.isfile(chat_template)
+                                        else chat_template)
+        return tokenizer
 
     @classmethod
     def from_gguf(cls, path: str, reader: Any = None) -> Tokenizer:
@@ -138,6 +144,9 @@ class Tokenizer:
                             **kwargs: Any) -> str:
         if not messages:
             raise ValueError("messages must not be empty")
+        if self._template is None:
+            raise ValueError("this model has no chat template: give one with --chat-template FILE (or "
+                             "LLM(chat_template=...)), or send a completion request with a plain prompt")
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
 

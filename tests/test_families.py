@@ -1,0 +1,229 @@
+"""Every model family against transformers on tiny random-weight models (made here from a config, saved as a
+Hugging Face directory): greedy tokens identical in float32, alone and batched, under chunked prefill and
+prefix-cache hits, with prompts longer than the sliding windows and past the original context of rope scaling.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import DEVICE
+from tokenmill import LLM, SamplingParams
+
+VOCAB = 384
+NEW_TOKENS = 12
+# 2-4 layers, small widths, and each family's real options; windows and original contexts far below the prompts
+BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "initializer_range": 0.3,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"num_hidden_layers": 2}),
+    "llama3-rope": ("LlamaConfig", {"num_hidden_layers": 2, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "llama-linear-rope": ("LlamaConfig", {"num_hidden_layers": 2, "rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "llama-yarn-rope": ("LlamaConfig", {"num_hidden_layers": 2, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}}),
+    "mistral-window": ("MistralConfig", {"num_hidden_layers": 2, "sliding_window": 12, "head_dim": 16}),
+    "qwen2": ("Qwen2Config", {"num_hidden_layers": 2, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"num_hidden_layers": 3, "head_dim": 32}),
+    "phi3-window": ("Phi3Config", {"num_hidden_layers": 2, "sliding_window": 14, "pad_token_id": 0}),
+    "gemma3": ("Gemma3TextConfig", {
+        "num_hidden_layers": 4, "head_dim": 32, "sliding_window": 10, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        "tie_word_embeddings": True, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+}
+
+
+def _save_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the model's vocabulary: the tests feed token ids, the engine needs one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "w1", "eos_token": "w2"}))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, Path, Any]:  # noqa: ANN001
+    import transformers
+
+    name = request.param
+    config_class, options = FAMILIES[name]
+    config = getattr(transformers, config_class)(**(BASE | options))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    _save_tokenizer(path)
+    return name, path, model
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 23, 47, 70]  # past every window (10-12) and original context (16-32)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    """Greedy with EOS ignored (tokenmill's ignore_eos): no stop and no EOS masking (min_new_tokens would mask)."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_tokens_match_transformers(family: tuple[str, Path, Any]) -> None:
+    name, path, model = family
+    prompts = _prompts()
+    expected = [_hf_greedy(model, p) for p in prompts]
+    # 16-token budget: the long prompts are prefilled in chunks; all four share every step
+    llm = LLM(str(path), device=DEVICE, quantization="none", max_num_batched_tokens=16, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in batched] == expected, name
+    alone = [llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts[2:]]  # now hits the prefix cache
+    assert llm.engine.core.kv.prefix_hits > 0
+    assert [list(o.outputs[0].token_ids) for o in alone] == expected[2:], name
+
+
+def test_family_options_read_from_the_config(family: tuple[str, Path, Any]) -> None:
+    """The options that make each family differ reach ModelConfig (a parity pass could not tell which was off
+    if the family's quirk happened not to matter)."""
+    from tokenmill.model.loader import load_model
+
+    name, path, _ = family
+    config = load_model(str(path)).config
+    if name == "gemma3":
+        assert config.sandwich_norm and config.qk_norm and config.hidden_act == "gelu_tanh"
+        assert config.sliding_window == 10 and config.sliding_layers == (0, 1, 2)
+        assert config.rope_local_theta == 10000.0 and config.rope_scaling.rope_type == "linear"
+        assert config.embed_scale == pytest.approx(8.0) and config.attn_scale == pytest.approx(24**-0.5)
+    elif name == "qwen3":
+        assert config.qk_norm and not config.qkv_bias and config.head_dim == 32
+    elif name == "qwen2":
+        assert config.qkv_bias and config.tie_word_embeddings
+    elif name == "mistral-window":
+        assert config.sliding_window == 12 and config.sliding_layers == (0, 1)
+    elif name == "phi3-window":
+        assert config.sliding_window == 14 and config.sliding_layers == (0, 1)
+    elif name.endswith("-rope"):
+        expected = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "llama-yarn-rope": "yarn"}[name]
+        assert config.rope_scaling.rope_type == expected
+    else:
+        assert config.plain_llama
+
+
+def test_unsupported_families_and_options_are_named(tmp_path: Path) -> None:
+    from tokenmill.model.families import hf_model_config
+
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*gemma3_text"):
+        hf_model_config(BASE | {"model_type": "gpt2", "num_hidden_layers": 1})
+    with pytest.raises(ValueError, match="rope scaling type 'longrope' is not supported"):
+        hf_model_config(BASE | {"model_type": "llama", "num_hidden_layers": 1,
+                                "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}})
+
+
+def test_eos_ids_join_config_and_generation_config(tmp_path: Path) -> None:
+    """Llama 3 ends a turn with <|eot_id|> or <|eom_id|>: generation_config.json lists them all."""
+    from tokenmill.model.families import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(BASE | {"model_type": "llama", "num_hidden_layers": 1,
+                                                             "eos_token_id": 128001}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128008, 128009]}))
+    config, _ = read_hf_config(str(tmp_path))
+    assert config.eos_token_ids == (128001, 128008, 128009)
+
+
+def _write_llama_gguf(path: Path, model: Any, rope: dict[str, float]) -> None:
+    """The tiny Llama 3 model as llama.cpp's converter writes it: q/k rows permuted for interleaved rotary,
+    the llama3 rope scaling precomputed into `rope_freqs.weight` (llama.cpp's formula), a BPE vocabulary."""
+    import math
+
+    import gguf
+
+    config = model.config
+    heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])  # the test feeds token ids
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def permute(w: torch.Tensor, n: int) -> torch.Tensor:
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    state = {k: v.float() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    writer.add_tensor("output.weight", state["lm_head.weight"].numpy())
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        writer.add_tensor(f"blk.{i}.attn_q.weight", permute(state[p + "self_attn.q_proj.weight"], heads).numpy())
+        writer.add_tensor(f"blk.{i}.attn_k.weight", permute(state[p + "self_attn.k_proj.weight"], kv_heads).numpy())
+        for hf_name, gguf_name in names.items():
+            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", state[p + hf_name + ".weight"].numpy())
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    writer.add_tensor("rope_freqs.weight", torch.tensor(factors, dtype=torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path: Path) -> None:
+    """A Llama 3 GGUF carries its rope scaling as per-frequency factors (`rope_freqs.weight`); tokenmill reads
+    them and gives transformers' tokens on the Hugging Face model the file was written from."""
+    import transformers
+
+    rope = FAMILIES["llama3-rope"][1]["rope_parameters"]
+    config = transformers.LlamaConfig(**(BASE | {"num_hidden_layers": 2, "rope_parameters": rope}))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path / "tiny-llama3.gguf"
+    _write_llama_gguf(path, model, rope)
+    llm = LLM(str(path), device=DEVICE, quantization="none", max_num_batched_tokens=16)
+    from tokenmill.model.loader import load_model
+
+    assert load_model(str(path)).config.rope_scaling.freq_factors is not None
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = _prompts()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [_hf_greedy(model, p) for p in prompts]
