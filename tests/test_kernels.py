@@ -197,7 +197,7 @@ def _grouped_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: tor
     return q.to(torch.int8).reshape(rows, k), scales, y if bias is None else y + bias
 
 
-@pytest.mark.skipif(not kernels.int8_grouped_available(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.skipif(not kernels.int8_grouped_available(), reason="this CPU has neither AVX512-VNNI nor AVX2")
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 960), (2, 1536, 576), (13, 576, 200), (64, 64, 33),
                                               (9, 32, 16), (100, 96, 40), (3, 64, 48), (17, 64, 48)])
 def test_grouped_int8_linear_matches_its_torch_reference(rows: int, k: int, n: int) -> None:

@@ -103,14 +103,13 @@ def test_int8_quality_gate(real: Path, float_llm: LLM) -> None:
 def test_chat_through_the_server(real: Path) -> None:
     from tokenmill.bench.server_process import live_server
 
-    with live_server("--model", str(real)) as server:
+    with live_server(str(real)) as server:  # `tokenmill serve MODEL`
+        models = httpx.get(server.url + "/v1/models").json()
         reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-            "model": "any", "max_tokens": 16, "temperature": 0,
+            "model": models["data"][0]["id"], "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "system", "content": "Answer briefly."},
                          {"role": "user", "content": "What is the capital of France?"}]})
-        models = httpx.get(server.url + "/v1/models").json()
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["choices"][0]["message"]["content"].strip()
     assert body["usage"]["prompt_tokens"] > 10  # the template's turn markers are part of the prompt
-    assert models["data"][0]["id"]

@@ -104,23 +104,35 @@ def _grouped_fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type:
     return quantize, linear
 
 
+@functools.cache
+def _pack_layout() -> tuple[int, int]:
+    """(outputs per packed vector, byte offset of the stored weights) of this CPU's grouped kernel: 16 and +128
+    for AVX512-VNNI (vpdpbusd multiplies unsigned weights), 8 and 0 for AVX2 (signed, the sign trick)."""
+    lib = load_library("int8_rows")
+    assert lib is not None
+    return int(lib.int8_pack_lanes()), int(lib.int8_pack_offset())
+
+
 INT8_GROUP = 32  # activations share one int8 scale per row and 32 consecutive input features (int8_rows.c)
 
 
 def int8_grouped_available() -> bool:
-    """Whether this CPU runs the grouped-activation int8 kernel (AVX512-VNNI)."""
+    """Whether this CPU runs the grouped-activation int8 kernel (AVX512-VNNI, or AVX2 with FMA)."""
     return _grouped_fns() is not None
 
 
 def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
-    """int8 weight [n, k] (k a multiple of 4) -> packed [ceil(n/16), k/4, 16, 4] holding w + 128 as unsigned
-    bytes, the layout `int8_linear_grouped` reads (see int8_rows.c)."""
+    """int8 weight [n, k] (k a multiple of 4) -> packed [ceil(n/L), k/4, L, 4], the layout `int8_linear_grouped`
+    reads (int8_rows.c): L outputs per vector, four consecutive k each; on VNNI hosts (L = 16) the bytes hold
+    w + 128 as unsigned."""
+    lanes, offset = _pack_layout()
     n, k = weight.shape
-    padded = -(-n // 16) * 16
+    padded = -(-n // lanes) * lanes
     rows = torch.zeros(padded, k, dtype=torch.int8)
     rows[:n] = weight
-    offset = (rows.view(torch.uint8) ^ 0x80).view(torch.int8)  # the bytes of w + 128
-    return offset.reshape(padded // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    if offset:
+        rows = (rows.view(torch.uint8) ^ 0x80).view(torch.int8)  # the bytes of w + 128
+    return rows.reshape(padded // lanes, lanes, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -62,6 +62,8 @@ void dequantize_two_level(const int32_t *acc, int64_t rows, int64_t n, const flo
 #include <string.h>
 
 int int8_grouped_available(void) { return 1; }
+int int8_pack_lanes(void) { return 16; }
+int int8_pack_offset(void) { return 128; }
 
 static inline __m512i broadcast_quad(const int8_t *p) {
     int32_t v;
@@ -173,8 +175,145 @@ void int8_linear_grouped(const float *x, int64_t rows, int64_t k, int64_t x_stri
     free(scales);
     free(corr);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same grouped int8 linear on AVX2 hosts (no VNNI): weights packed as [n/8][k/4][8][4] signed bytes (no
+// offset). Four products of one output are summed in int32 by llama.cpp's sign trick: maddubs(|x|, w * sign(x))
+// multiplies unsigned by signed bytes into int16 pairs (|x|, |w| <= 127, so a pair never saturates), madd sums
+// the pairs into int32. The group sums are exact, so every output equals the AVX512-VNNI kernel's bit for bit:
+// the float operations after them (convert, one fused multiply-add per group in k order, the channel scale)
+// are the same.
+#include <immintrin.h>
+#include <string.h>
+
+int int8_grouped_available(void) { return 1; }
+int int8_pack_lanes(void) { return 8; }
+int int8_pack_offset(void) { return 0; }
+
+#define GROUP 32
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// x [rows, k] (k a multiple of 32) -> q [rows, k], scales [rows, k/32], corr [rows, k/32] = 128 * group sum
+// (the VNNI kernel's offset term, kept so both kernels give the same three outputs)
+void quantize_groups(const float *x, int64_t rows, int64_t k, int64_t x_stride, int8_t *q, float *scales,
+                     int32_t *corr) {
+    const int64_t groups = k / GROUP;
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for if (rows * k >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+            const float *xg = x + r * x_stride + g * GROUP;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int j = 0; j < 4; ++j) {
+                v[j] = _mm256_loadu_ps(xg + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[j]));
+            }
+            const float s = row_scale(hmax8(amax));
+            const __m256 sv = _mm256_set1_ps(s);
+            __m256i sum = _mm256_setzero_si256();
+            int8_t *qg = q + r * k + g * GROUP;
+            for (int j = 0; j < 4; ++j) {
+                // x / s rounded to nearest even (the default MXCSR mode): torch.round(x / s) in model/quant.py
+                const __m256i level = _mm256_cvtps_epi32(_mm256_div_ps(v[j], sv));
+                sum = _mm256_add_epi32(sum, level);
+                int32_t lanes[8];
+                _mm256_storeu_si256((__m256i *)lanes, level);
+                for (int t = 0; t < 8; ++t) qg[8 * j + t] = (int8_t)lanes[t];
+            }
+            scales[r * groups + g] = s;
+            corr[r * groups + g] = 128 * hsum8_epi32(sum);
+        }
+}
+
+static inline __m256i dot_quad(__m256i w, const int8_t *x4) {
+    int32_t v;
+    memcpy(&v, x4, 4);
+    const __m256i xq = _mm256_set1_epi32(v);
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xq), _mm256_sign_epi8(w, xq));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// ROWS rows against one block of 8 outputs: per group an exact int32 sum over its 8 quads, then
+// facc += float(sum) * scale, as in the VNNI kernel.
+#define GROUP_BLOCK(ROWS)                                                                                          \
+    static inline void group_block_##ROWS(const int8_t *q, const float *scales, const int8_t *wb, int64_t groups, \
+                                          int64_t k, __m256 *facc) {                                               \
+        for (int i = 0; i < ROWS; ++i) facc[i] = _mm256_setzero_ps();                                              \
+        for (int64_t g = 0; g < groups; ++g) {                                                                     \
+            __m256i acc[ROWS];                                                                                     \
+            for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_setzero_si256();                                        \
+            for (int c = 0; c < GROUP / 4; ++c) {                                                                  \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + (g * (GROUP / 4) + c) * 32));          \
+                for (int i = 0; i < ROWS; ++i)                                                                     \
+                    acc[i] = _mm256_add_epi32(acc[i], dot_quad(w, q + i * k + g * GROUP + 4 * c));               \
+            }                                                                                                      \
+            for (int i = 0; i < ROWS; ++i)                                                                         \
+                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(scales[i * groups + g]),     \
+                                          facc[i]);                                                                \
+        }                                                                                                          \
+    }
+GROUP_BLOCK(1)
+GROUP_BLOCK(2)
+GROUP_BLOCK(3)
+GROUP_BLOCK(4)
+
+void int8_linear_grouped(const float *x, int64_t rows, int64_t k, int64_t x_stride, const int8_t *w_packed,
+                         const float *weight_scale, const float *bias, float *out, int64_t n) {
+    const int64_t groups = k / GROUP, blocks = (n + 7) / 8;
+    int8_t *q = malloc((size_t)(rows * k));
+    float *scales = malloc(sizeof(float) * (size_t)(rows * groups));
+    int32_t *corr = malloc(sizeof(int32_t) * (size_t)(rows * groups));
+    quantize_groups(x, rows, k, x_stride, q, scales, corr);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t *wb = w_packed + b * (k / 4) * 32;
+        const int64_t left = n - b * 8, width = left < 8 ? left : 8;
+        float ws[8] = {0}, bv[8] = {0};
+        memcpy(ws, weight_scale + b * 8, sizeof(float) * (size_t)width);
+        if (bias) memcpy(bv, bias + b * 8, sizeof(float) * (size_t)width);
+        const __m256 wsv = _mm256_loadu_ps(ws), bvv = _mm256_loadu_ps(bv);
+        __m256 facc[4];
+        for (int64_t r = 0; r < rows;) {
+            // up to 4 rows share each weight load, in blocks of near-equal size (as the VNNI kernel's 8)
+            const int64_t blocks_left = (rows - r + 3) / 4, step = (rows - r + blocks_left - 1) / blocks_left;
+            const int8_t *qr = q + r * k;
+            const float *sr = scales + r * groups;
+            switch (step) {
+                case 4: group_block_4(qr, sr, wb, groups, k, facc); break;
+                case 3: group_block_3(qr, sr, wb, groups, k, facc); break;
+                case 2: group_block_2(qr, sr, wb, groups, k, facc); break;
+                default: group_block_1(qr, sr, wb, groups, k, facc); break;
+            }
+            for (int64_t i = 0; i < step; ++i) {
+                __m256 y = _mm256_mul_ps(facc[i], wsv);
+                if (bias) y = _mm256_add_ps(y, bvv);
+                float lanes[8];
+                _mm256_storeu_ps(lanes, y);
+                memcpy(out + (r + i) * n + b * 8, lanes, sizeof(float) * (size_t)width);
+            }
+            r += step;
+        }
+    }
+    free(q);
+    free(scales);
+    free(corr);
+}
 #else
 int int8_grouped_available(void) { return 0; }
+int int8_pack_lanes(void) { return 0; }
+int int8_pack_offset(void) { return 0; }
 
 void quantize_groups(const float *x, int64_t rows, int64_t k, int64_t x_stride, int8_t *q, float *scales,
                      int32_t *corr) {

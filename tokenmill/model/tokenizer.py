@@ -10,7 +10,7 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenmill.model.loader import gguf_field
@@ -157,15 +157,30 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
+# The word-splitting regex of llama.cpp's pre-tokenizer types (`tokenizer.ggml.pre`) that differ from GPT-2's:
+# a letter run may take one leading non-letter ("(n"), digits go one at a time (Qwen2) or up to three (Llama 3).
+_WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_PRE_TOKENIZER_REGEX = {
+    "qwen2": _WORDS + r"\p{N}" + _REST,
+    "llama-bpe": _WORDS + r"\p{N}{1,3}" + _REST,
+}
+
+
 def _byte_level_bpe(reader: Any, tokens: list[str]) -> HFTokenizer:
     """GPT-2-style byte-level BPE with the file's merges (Llama 3, Qwen, SmolLM)."""
     merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
     backend = HFTokenizer(models.BPE(vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    pre = gguf_field(reader, "tokenizer.ggml.pre")
     steps: list[pre_tokenizers.PreTokenizer] = []
-    if gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
+    if pre == "smollm":
         # llama.cpp's smollm pre-tokenizer splits digits one by one before the GPT-2 regex.
         steps.append(pre_tokenizers.Digits(individual_digits=True))
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    if pre in _PRE_TOKENIZER_REGEX:
+        steps.append(pre_tokenizers.Split(Regex(_PRE_TOKENIZER_REGEX[pre]), behavior="isolated", invert=False))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    else:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))  # GPT-2's regex
     backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
     return backend
