@@ -190,3 +190,22 @@ def test_bundled_model_saved_as_hf_dir_runs_end_to_end(tmp_path, hf_model, hf_to
 def test_missing_model_path_is_a_clear_error() -> None:
     with pytest.raises(FileNotFoundError, match="never downloaded"):
         load_model("/nonexistent/model.gguf")
+
+
+def test_gguf_file_reads_what_the_gguf_package_reads(model_path: str) -> None:
+    """tokenmill's header reader (model/gguf_file.py) against the `gguf` package's GGUFReader: every metadata
+    value and every tensor's name, type, shape and bytes."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from tokenmill.model.gguf_file import GGUFFile
+
+    ours, reference = GGUFFile(model_path), GGUFReader(model_path)
+    counts = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's own header entries
+    expected = {k: f.contents() for k, f in reference.fields.items() if k not in counts}
+    assert ours.fields == expected
+    assert len(ours.tensors) == len(reference.tensors) > 100
+    for mine, theirs in zip(ours.tensors, reference.tensors):
+        assert (mine.name, mine.tensor_type, mine.shape) == (theirs.name, theirs.tensor_type,
+                                                             tuple(int(d) for d in theirs.shape))
+        assert mine.data.shape == theirs.data.shape and np.array_equal(mine.data, theirs.data)

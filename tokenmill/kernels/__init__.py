@@ -240,7 +240,7 @@ def prepare() -> str:
     ready = {
         "attention": _attention_fn() is not None,
         "int8 rows": int8_rows_available(),
-        "VNNI int8 GEMM": int8_grouped_available(),
+        "grouped int8 GEMM": int8_grouped_available(),
         "layer ops": _layer_fns() is not None,
         "token bitmask": _bitmask_fn() is not None,
         "int8 decoder stack": _decoder_fn() is not None,
@@ -348,7 +348,7 @@ def _decoder_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def decoder_stack_available() -> bool:
-    """Whether the one-call int8 decoder stack (kernels/decoder.c) runs on this CPU (AVX512-VNNI)."""
+    """Whether the one-call int8 decoder stack (kernels/decoder.c) runs on this CPU (AVX512-VNNI or AVX2)."""
     return _decoder_fn() is not None
 
 

