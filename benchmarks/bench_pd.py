@@ -38,8 +38,10 @@ from tokenmill.model.loader import load_model
 from tokenmill.model.tokenizer import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
-# what repeated runs of this benchmark gave on the docs' host (it drifts by 10-20% within seconds)
-RUN_TO_RUN = ("Over 12 runs of this code on this host (same day), the 1P1D worst gap was 1.78-4.94x the median, "
+# what repeated runs of this benchmark gave on the docs' host (it drifts by 10-20% within seconds): a record of
+# earlier runs, written as such into the section, not a measurement of this run
+RUN_TO_RUN = ("Earlier runs, not this one: over 12 runs of this code on the docs' host (2026-12-01), the 1P1D "
+              "worst gap was 1.78-4.94x the median, "
               "at most 2x in 6 of them (median run 2.0x); before the prefill engine ran niced and the load "
               "generator was pinned, 2.0-5.1x over 6 runs. Step traces of two runs above 2x put the worst gap on "
               "one slow decode step (31 ms at the long request's first decode step; 61 ms during the prefill, "
@@ -192,9 +194,9 @@ def main() -> None:
         "with the other core running a loop that touches no memory. " + RUN_TO_RUN + " "
         "Disaggregation loses on this machine where a "
         "prompt's speed matters: each side has half the cores, so a long prompt's TTFT and the total "
-        "throughput drop (and the prefill core also serves the front end and, here, the load generator: 32 mixed "
-        "requests' TTFT p50 is 6.0-8.0 s; 5.4 s before the prefill engine ran niced and the load generator was "
-        "pinned). It "
+        "throughput drop (and the prefill core also serves the front end and, here, the load generator: in the "
+        "earlier runs, 32 mixed requests' TTFT p50 was 6.0-8.0 s; 5.4 s before the prefill engine ran niced and "
+        "the load generator was pinned). It "
         "wins where decode latency is the SLO and each side can be sized for its own load "
         "(GPU servers; `tokenmill sim` answers for given hardware).",
     ])
