@@ -54,19 +54,23 @@ def _save_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "w1", "eos_token": "w2"}))
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory) -> tuple[str, Path, Any]:  # noqa: ANN001
+def _tiny_model(name: str, path: Path) -> Any:
+    """The family's tiny random model, saved with a tokenizer (and no chat template) under `path`."""
     import transformers
 
-    name = request.param
     config_class, options = FAMILIES[name]
     config = getattr(transformers, config_class)(**(BASE | options))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     _save_tokenizer(path)
-    return name, path, model
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, Path, Any]:  # noqa: ANN001
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, _tiny_model(request.param, path)
 
 
 def _prompts() -> list[list[int]]:
@@ -227,3 +231,29 @@ def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path: Path) -> Non
     prompts = _prompts()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [_hf_greedy(model, p) for p in prompts]
+
+
+def test_chat_needs_a_template(tmp_path: Path) -> None:
+    """A model without a chat template: chat requests get a 400 naming the fix, completions still work, and
+    `--chat-template FILE` (vLLM's flag) supplies one."""
+    import httpx
+
+    from tokenmill.bench.server_process import live_server
+
+    _tiny_model("llama", tmp_path)
+    chat = {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 3}
+    with live_server(str(tmp_path)) as server:
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        refused = httpx.post(server.url + "/v1/chat/completions", json=chat | {"model": model}, timeout=60)
+        completion = httpx.post(server.url + "/v1/completions", timeout=60,
+                                json={"model": model, "prompt": "w5 w6", "max_tokens": 3})
+    assert refused.status_code == 400
+    assert "no chat template" in refused.json()["error"]["message"]
+    assert "--chat-template" in refused.json()["error"]["message"]
+    assert completion.status_code == 200
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}")
+    with live_server(str(tmp_path), "--chat-template", str(template)) as server:
+        reply = httpx.post(server.url + "/v1/chat/completions", json=chat | {"model": model}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == 4  # w3 w5 w6 w4: the template's words

@@ -1,0 +1,120 @@
+"""Start to ready and peak memory per model file: `tokenmill serve MODEL` against llama.cpp's `llama-server` on
+the same file, each started alone, one after the other, in one run.
+
+Ready: from the process's start until `/v1/models` answers and a first 8-token completion has come back (what a
+client waits for). Peak memory: the largest resident set of the server's whole process tree (front end and
+engine core), sampled every 20 ms until then. KV pools: tokenmill's default 1 GB; llama-server 16 slots x 4,096
+tokens (`../shared/peers/llamacpp.sh`'s defaults). Models: the bundled SmolLM2 and every file that
+`python -m tests.real_models` fetched. `python benchmarks/bench_load.py` prints the table and writes the "load"
+section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tokenmill.bench.report import machine_description, markdown_table, write_section
+from tokenmill.bench.server_process import free_port
+from tokenmill.model.loader import bundled_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.real_models import REAL_MODELS, cache_dir  # noqa: E402
+
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill-peers"))
+LLAMA_SERVER = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
+
+
+def tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a child that just exited
+            total += p.memory_info().rss
+    return total
+
+
+def start_to_ready(command: list[str], url: str, model_id: str | None) -> tuple[float, float]:
+    """(seconds to the first completion, peak RSS GB of the process tree until then)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ps = psutil.Process(proc.pid)
+    peak = 0
+    try:
+        while True:
+            peak = max(peak, tree_rss(ps))
+            if proc.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited with {proc.returncode}")
+            try:
+                models = httpx.get(url + "/v1/models", timeout=0.5)
+                if models.status_code == 200:
+                    model = model_id or models.json()["data"][0]["id"]
+                    reply = httpx.post(url + "/v1/completions", timeout=120, json={
+                        "model": model, "prompt": "Hello", "max_tokens": 8, "temperature": 0})
+                    if reply.status_code == 200:
+                        break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        return time.perf_counter() - start, max(peak, tree_rss(ps)) / 1e9
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def tokenmill_command(model: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "tokenmill.cli", "serve", model, "--port", str(port), "--log-level", "warning",
+            "--disable-log-stats"]
+
+
+def llamacpp_command(model: str, port: int) -> list[str]:
+    threads = str(os.cpu_count() or 1)
+    return [str(LLAMA_SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "16",
+            "-c", str(16 * 4096), "-cb", "-t", threads, "-tb", threads, "--no-kv-unified", "--no-webui"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=3, help="starts per server and file (median and range)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    files = [bundled_model_path()] + [str(cache_dir() / m.file) for m in REAL_MODELS if (cache_dir() / m.file).exists()]
+    rows: list[list[object]] = []
+    for path in files:
+        size = os.path.getsize(path) / 1e9
+        results: dict[str, list[tuple[float, float]]] = {"tokenmill": [], "llama.cpp": []}
+        for _ in range(args.runs):  # alternate the servers: the host drifts between runs
+            port = free_port()
+            results["tokenmill"].append(start_to_ready(tokenmill_command(path, port), f"http://127.0.0.1:{port}",
+                                                       None))
+            if LLAMA_SERVER.exists():
+                port = free_port()
+                results["llama.cpp"].append(start_to_ready(llamacpp_command(path, port),
+                                                           f"http://127.0.0.1:{port}", "any"))
+        for name, values in results.items():
+            if not values:
+                continue
+            ready, peak = [v[0] for v in values], [v[1] for v in values]
+            rows.append([Path(path).name, f"{size:.2f}", name, f"{statistics.median(ready):.1f} "
+                         f"({min(ready):.1f}-{max(ready):.1f})", f"{statistics.median(peak):.2f}"])
+            print(rows[-1], flush=True)
+    body = "\n".join([
+        "## Start to ready and peak memory (`python benchmarks/bench_load.py`)", "",
+        f"Machine: {machine_description()}. {__doc__.split(chr(10) + chr(10))[1].strip()} Median (min-max) over "
+        f"{args.runs} starts of each, alternating the servers.", "",
+        markdown_table(["file", "size GB", "server", "start to first completion s", "peak RSS GB"], rows)])
+    if not args.no_write:
+        write_section("load", body)
+        print("wrote docs/BENCHMARKS.md (load)")
+
+
+if __name__ == "__main__":
+    main()
