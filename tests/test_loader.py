@@ -209,3 +209,19 @@ def test_gguf_file_reads_what_the_gguf_package_reads(model_path: str) -> None:
         assert (mine.name, mine.tensor_type, mine.shape) == (theirs.name, theirs.tensor_type,
                                                              tuple(int(d) for d in theirs.shape))
         assert mine.data.shape == theirs.data.shape and np.array_equal(mine.data, theirs.data)
+
+
+def test_lazy_weights_answer_membership_without_reading() -> None:
+    """`name in weights` must not dequantize the tensor (Mapping's default __contains__ reads it: every weight
+    was converted twice at load)."""
+    from tokenmill.model.loader import LazyWeights
+
+    reads: list[str] = []
+
+    def reader(name: str):  # noqa: ANN202
+        return lambda: reads.append(name) or torch.zeros(1)
+
+    weights = LazyWeights({"a": reader("a"), "b": reader("b")})
+    assert "a" in weights and "c" not in weights and reads == []
+    weights["b"]
+    assert reads == ["b"]

@@ -44,7 +44,7 @@ class GGUFFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._map = np.memmap(path, dtype=np.uint8, mode="r")
-        buffer = memoryview(self._map)
+        buffer = self._map.data  # a memoryview of the whole file
         if bytes(buffer[:4]) != _MAGIC:
             raise ValueError(f"{path} is not a GGUF file")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buffer, 4)

@@ -77,6 +77,10 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             trim(0)
         return self._readers[name]()
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default would read (and dequantize) the tensor to answer
+        return name in self._readers
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._readers)
 
