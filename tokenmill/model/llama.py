@@ -192,7 +192,7 @@ class NativeDecoderStack:
 
     @staticmethod
     def supported(model: LlamaForCausalLM) -> bool:
-        """int8 linears packed for the VNNI kernel everywhere (biases on qkv only), the fused layer kernels and
+        """int8 linears packed for the grouped kernel everywhere (biases on qkv only), the fused layer kernels and
         the native attention over these caches."""
         if not (kernels.decoder_stack_available() and model.config.plain_llama):
             return False
