@@ -43,6 +43,8 @@ SUPPORTED_GGUF_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.gguf_archite
 # Gemma 3: every 6th layer attends the whole context, the others a window, rotating with base 10,000 (both
 # transformers' Gemma3TextConfig defaults and llama.cpp's hard-coded values; GGUF files carry neither).
 GEMMA3_WINDOW_PATTERN = 6
+# llama.cpp's token types (llama_token_type) as GGUF files store them
+GGUF_NORMAL_TOKEN, GGUF_CONTROL_TOKEN, GGUF_USER_DEFINED_TOKEN = 1, 3, 4
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 # End-of-turn tokens that llama.cpp treats as end of generation wherever a vocabulary has them as control tokens
@@ -220,9 +222,8 @@ def gguf_model_config(field: Callable[[str, Any], Any], tensor_names: set[str], 
                                                                  GEMMA3_WINDOW_PATTERN)))
     eos = field("tokenizer.ggml.eos_token_id", None)
     extra_eos = [field(f"tokenizer.ggml.{key}_token_id", None) for key in ("eot", "eom")]
-    control = 3  # llama.cpp's token type of control tokens
     turn_ends = [i for i, (text, kind_id) in enumerate(zip(vocab_tokens, token_types))
-                 if kind_id == control and text in END_OF_TURN_TOKENS]
+                 if kind_id == GGUF_CONTROL_TOKEN and text in END_OF_TURN_TOKENS]
     bos = field("tokenizer.ggml.bos_token_id", None)
     config = ModelConfig(
         architecture=family.name,

@@ -13,11 +13,11 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from tokenmill.model.families import GGUF_CONTROL_TOKEN, GGUF_NORMAL_TOKEN, GGUF_USER_DEFINED_TOKEN
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.loader import gguf_field
 
-# GGUF token types (llama.cpp's llama_token_type).
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = GGUF_NORMAL_TOKEN, GGUF_CONTROL_TOKEN, GGUF_USER_DEFINED_TOKEN
 SPIECE_SPACE = "\u2581"
 
 
