@@ -30,6 +30,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "llama-yarn-rope": ("LlamaConfig", {"num_hidden_layers": 2, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama-dynamic-rope": ("LlamaConfig", {"num_hidden_layers": 2, "max_position_embeddings": 32,
+                                           "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                               "factor": 4.0}}),
+    # Phi-4-mini's shape: fused projections, 3/4 of each head rotating, longrope past a 32-token original context
+    "phi3-longrope-partial": ("Phi3Config", {
+        "num_hidden_layers": 2, "pad_token_id": 0, "original_max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}}),
     "mistral-window": ("MistralConfig", {"num_hidden_layers": 2, "sliding_window": 12, "head_dim": 16}),
     "qwen2": ("Qwen2Config", {"num_hidden_layers": 2, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"num_hidden_layers": 3, "head_dim": 32}),
@@ -121,9 +130,16 @@ def test_family_options_read_from_the_config(family: tuple[str, Path, Any]) -> N
         assert config.sliding_window == 12 and config.sliding_layers == (0, 1)
     elif name == "phi3-window":
         assert config.sliding_window == 14 and config.sliding_layers == (0, 1)
+    elif name == "phi3-longrope-partial":
+        assert config.rotary_dim == 12 and config.rope_scaling.rope_type == "longrope"
+        assert config.rope_scaling.original_max_position_embeddings == 32
+        assert config.rope_cache_key(32) == 0 and config.rope_cache_key(33) == 1
     elif name.endswith("-rope"):
-        expected = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "llama-yarn-rope": "yarn"}[name]
+        expected = {"llama3-rope": "llama3", "llama-linear-rope": "linear", "llama-yarn-rope": "yarn",
+                    "llama-dynamic-rope": "dynamic"}[name]
         assert config.rope_scaling.rope_type == expected
+        if expected == "dynamic":  # NTK scaling serves factor x the trained context
+            assert config.max_context_len == 128 and config.rope_cache_key(40) == 40
     else:
         assert config.plain_llama
 
@@ -133,9 +149,9 @@ def test_unsupported_families_and_options_are_named(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*gemma3_text"):
         hf_model_config(BASE | {"model_type": "gpt2", "num_hidden_layers": 1})
-    with pytest.raises(ValueError, match="rope scaling type 'longrope' is not supported"):
+    with pytest.raises(ValueError, match="rope scaling type 'mrope' is not supported"):
         hf_model_config(BASE | {"model_type": "llama", "num_hidden_layers": 1,
-                                "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}})
+                                "rope_scaling": {"rope_type": "mrope", "mrope_section": [2, 2]}})
 
 
 def test_eos_ids_join_config_and_generation_config(tmp_path: Path) -> None:
@@ -149,32 +165,46 @@ def test_eos_ids_join_config_and_generation_config(tmp_path: Path) -> None:
     assert config.eos_token_ids == (128001, 128008, 128009)
 
 
+def _gguf_writer(path: Path, arch: str, config: Any, rotary_dim: int) -> Any:
+    """A GGUFWriter with the model's shape and a BPE vocabulary (the tests feed token ids), as llama.cpp's
+    converter writes them."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(rotary_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    return writer
+
+
+def _finish(writer: Any) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _write_llama_gguf(path: Path, model: Any, rope: dict[str, float]) -> None:
     """The tiny Llama 3 model as llama.cpp's converter writes it: q/k rows permuted for interleaved rotary,
     the llama3 rope scaling precomputed into `rope_freqs.weight` (llama.cpp's formula), a BPE vocabulary."""
     import math
 
-    import gguf
-
     config = model.config
     heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
     head_dim = hidden // heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])  # the test feeds token ids
-    writer.add_token_types([1] * VOCAB)
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = _gguf_writer(path, "llama", config, head_dim)
 
     def permute(w: torch.Tensor, n: int) -> torch.Tensor:
         return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -206,10 +236,36 @@ def _write_llama_gguf(path: Path, model: Any, rope: dict[str, float]) -> None:
             smooth = (old / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
     writer.add_tensor("rope_freqs.weight", torch.tensor(factors, dtype=torch.float32).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
+
+
+def _write_phi3_gguf(path: Path, model: Any) -> None:
+    """The tiny Phi-4-mini-shaped model as llama.cpp's converter writes it: fused attn_qkv and ffn_up (gate
+    and up rows), the rotated width as rope.dimension_count, longrope's factors as tensors and its mscale as
+    rope.scaling.attn_factor."""
+    import math
+
+    config = model.config
+    rope = config.rope_parameters
+    rotary_dim = int(config.hidden_size // config.num_attention_heads * rope["partial_rotary_factor"])
+    writer = _gguf_writer(path, "phi3", config, rotary_dim)
+    original = rope["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    state = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    writer.add_tensor("rope_factors_long.weight", torch.tensor(rope["long_factor"]).numpy())
+    writer.add_tensor("rope_factors_short.weight", torch.tensor(rope["short_factor"]).numpy())
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i in range(config.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", state[f"model.layers.{i}.{hf_name}.weight"])
+    _finish(writer)
 
 
 def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path: Path) -> None:
@@ -227,6 +283,27 @@ def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path: Path) -> Non
     from tokenmill.model.loader import load_model
 
     assert load_model(str(path)).config.rope_scaling.freq_factors is not None
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = _prompts()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [_hf_greedy(model, p) for p in prompts]
+
+
+def test_phi3_gguf_with_longrope_factors_matches_transformers(tmp_path: Path) -> None:
+    """A Phi-3.5/Phi-4-mini GGUF: fused tensors, partial rotary and longrope read from the file's tensors and
+    keys; transformers' tokens on the Hugging Face model the file was written from, short and long prompts."""
+    import transformers
+
+    config = transformers.Phi3Config(**(BASE | FAMILIES["phi3-longrope-partial"][1]))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path / "tiny-phi4-mini.gguf"
+    _write_phi3_gguf(path, model)
+    from tokenmill.model.loader import load_model
+
+    loaded = load_model(str(path)).config
+    assert loaded.rotary_dim == 12 and loaded.rope_scaling.rope_type == "longrope"
+    llm = LLM(str(path), device=DEVICE, quantization="none", max_num_batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = _prompts()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

@@ -42,6 +42,7 @@ class ModelConfig:
     sliding_window: int | None = None  # a windowed layer's query sees this many keys, itself included
     sliding_layers: tuple[int, ...] = ()  # the layers with the window
     rope_local_theta: float | None = None  # rope base of the windowed layers (Gemma 3), unscaled; None: rope_theta
+    rotary_dim: int | None = None  # dims of each head that rotate (partial rotary, Phi-4-mini); None: head_dim
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -50,9 +51,28 @@ class ModelConfig:
             raise ValueError(f"hidden_act must be silu or gelu_tanh, got {self.hidden_act!r}")
         if self.sliding_layers and not self.sliding_window:
             raise ValueError("sliding_layers needs a sliding_window")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim
+                                            or (self.head_dim - self.rotary_dim) % 2):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model serves (dynamic NTK rope extends max_position_embeddings)."""
+        return self.rope_scaling.context_length(self.max_position_embeddings)
+
+    def rope_cache_key(self, prompt_len: int) -> int:
+        """What a prompt's KV depends on besides its tokens (a prefix-cache salt): with length-dependent rope
+        scaling (rope.py), whether the prompt outgrows the original context (longrope) or its very length
+        (dynamic NTK); 0 when the tokens alone decide."""
+        scaling = self.rope_scaling
+        if scaling.rope_type == "longrope":
+            return int(prompt_len > (scaling.original_max_position_embeddings or self.max_position_embeddings))
+        if scaling.rope_type == "dynamic" and prompt_len > self.max_position_embeddings:
+            return prompt_len
+        return 0
 
     @property
     def softmax_scale(self) -> float:

@@ -69,6 +69,9 @@ class Request:
         self.times = RequestTimes(arrival=time.monotonic() if arrival_time is None else arrival_time)
         self.logprobs: list[dict[int, float]] = []  # per output token: token id -> logprob (chosen + top-N)
         self.block_hashes: list[int] = []  # chained hashes of its full blocks (prefix caching)
+        # folded into the first block's hash: KV that the same tokens produce differently must not be shared
+        # (length-dependent rope scaling, ModelConfig.rope_cache_key)
+        self.cache_salt = 0
         # Speculative decoding: tokens proposed for the next step (never part of all_token_ids until accepted),
         # and its recent verifications (decaying counts of accepted tokens and of rejections), from which the
         # proposer sizes its proposals (spec_decode/proposer.py).

@@ -23,10 +23,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def chain_block_hashes(token_ids: Sequence[int], block_size: int, hashes: list[int] | None = None) -> list[int]:
-    """The chained hashes of the full blocks of `token_ids`, extending `hashes` (those of its leading blocks)."""
+def chain_block_hashes(token_ids: Sequence[int], block_size: int, hashes: list[int] | None = None,
+                       salt: int = 0) -> list[int]:
+    """The chained hashes of the full blocks of `token_ids`, extending `hashes` (those of its leading blocks);
+    a nonzero `salt` starts a chain of its own."""
     hashes = [] if hashes is None else hashes
-    parent = hashes[-1] if hashes else ROOT_HASH
+    parent = hashes[-1] if hashes else ROOT_HASH if not salt else hash((ROOT_HASH, salt))
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         hashes.append(parent)
@@ -68,7 +70,7 @@ class KVCacheManager:
         return len(self.req_blocks.get(request_id, ()))
 
     def _update_hashes(self, request: Request) -> None:
-        chain_block_hashes(request.all_token_ids, self.block_size, request.block_hashes)
+        chain_block_hashes(request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt)
 
     def find_cached_prefix(self, request: Request) -> PrefixHit:
         """Longest run of cached full blocks; at least one token is always left to compute."""

@@ -173,7 +173,8 @@ class AsyncLLM:
         max_model_len, eos = model_limits(loaded, tokenizer, config)
         launch_all(replicas)
         capacity = min(r.info.num_kv_blocks * r.info.block_size for r in replicas if r.info is not None)
-        processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity)
+        processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity,
+                                   cache_salt_of=loaded.config.rope_cache_key)
         return cls(processor, OutputProcessor(tokenizer), replicas, make_router(router, len(replicas),
                                                                                 config.block_size))
 

@@ -23,14 +23,15 @@ from tokenmill.structured_output.manager import StructuredOutputManager
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, executor: Executor, max_model_len: int,
                  eos_token_ids: tuple[int, ...], vocab_size: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cache_salt_of: Callable[[int], int] | None = None) -> None:
         self.config = config
         self.structured_output = StructuredOutputManager(tokenizer.backend, vocab_size, eos_token_ids)
         self.core = EngineCore(config, executor, max_model_len, clock, self.structured_output)
         self.output_processor = OutputProcessor(tokenizer)
         self.processor = InputProcessor(config, tokenizer, max_model_len, eos_token_ids, vocab_size,
                                         self.core.kv.num_blocks * self.core.kv.block_size, self.structured_output,
-                                        clock)
+                                        clock, cache_salt_of)
         self.clock = clock
         self._ids = itertools.count()
 
@@ -45,7 +46,8 @@ class LLMEngine:
         """An engine over weights already in memory (benchmarks and tests build several from one load)."""
         runner = ModelRunner(config, loaded.config, loaded.weights)
         max_model_len, eos = model_limits(loaded, tokenizer, config)
-        return cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size)
+        return cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size,
+                   cache_salt_of=loaded.config.rope_cache_key)
 
     @property
     def tokenizer(self) -> Tokenizer:

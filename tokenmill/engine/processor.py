@@ -25,7 +25,7 @@ PromptType = str | Sequence[int] | dict[str, Any]
 def model_limits(loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig) -> tuple[int, tuple[int, ...]]:
     """(max_model_len, EOS token ids) for a model: the configured length capped by the model's, and every id the
     model config or the tokenizer names as end of sequence."""
-    model_len = loaded.config.max_position_embeddings
+    model_len = loaded.config.max_context_len
     eos = set(loaded.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -36,7 +36,8 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, max_model_len: int,
                  eos_token_ids: tuple[int, ...], vocab_size: int, kv_capacity_tokens: int,
                  structured_output: StructuredOutputManager | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cache_salt_of: Callable[[int], int] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -46,6 +47,7 @@ class InputProcessor:
         self.structured_output = structured_output or StructuredOutputManager(tokenizer.backend, vocab_size,
                                                                               eos_token_ids)
         self.clock = clock
+        self.cache_salt_of = cache_salt_of  # prompt length -> prefix-cache salt (ModelConfig.rope_cache_key)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -97,5 +99,7 @@ class InputProcessor:
                 for i in range(params.n)
             ]
         for child in children:
+            if self.cache_salt_of is not None:
+                child.cache_salt = self.cache_salt_of(len(token_ids))
             check_request_fits(child, self.max_model_len, self.kv_capacity_tokens, self.config.batching == "static")
         return text, token_ids, children

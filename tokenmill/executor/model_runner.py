@@ -145,10 +145,16 @@ class ModelRunner:
         positions = starts[seq_of_token] + np.arange(len(input_ids)) - first_row[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         meta = AttentionMetadata.build(query_lens, starts + query_lens, tables, slots, bs, self.device)
+        rope_lengths = None
+        if self.model.config.rope_scaling.length_dependent:
+            # each token rotated for the length transformers' generate would have had: the prompt's, then its own
+            prompt_lens = np.fromiter((len(s.prompt_token_ids) for s in scheduled), np.int64, len(scheduled))
+            rope_lengths = torch.from_numpy(np.maximum(prompt_lens[seq_of_token], positions + 1)).to(self.device)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.from_numpy(positions).to(self.device),
             meta,
+            rope_lengths,
         )
         return hidden, first_row + query_lens - 1
 

@@ -28,6 +28,7 @@ def prefill_copy(child: Request) -> Request:
     prefill = Request(child.request_id, child.prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0),
                       child.eos_token_ids, child.times.arrival, child.priority, child.prompt)
     prefill.max_total_tokens = child.num_prompt_tokens + 1
+    prefill.cache_salt = child.cache_salt
     prefill.kv_transfer_params = {"do_remote_decode": True}
     return prefill
 
@@ -37,5 +38,6 @@ def decode_copy(child: Request, kv_transfer_params: dict[str, Any]) -> Request:
     decode = Request(child.request_id, child.prompt_token_ids, child.sampling_params, child.eos_token_ids,
                      child.times.arrival, child.priority, child.prompt)
     decode.max_total_tokens = child.max_total_tokens
+    decode.cache_salt = child.cache_salt
     decode.kv_transfer_params = kv_transfer_params
     return decode

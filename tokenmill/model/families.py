@@ -94,6 +94,9 @@ def _hf_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling, float | None]:
         params = params["full_attention"]
     scaling_raw = raw.get("rope_scaling") or params
     theta = raw.get("rope_theta") or (params or {}).get("rope_theta") or 10000.0
+    if isinstance(scaling_raw, dict) and raw.get("original_max_position_embeddings"):
+        # Phi-3's configs keep the pre-training context at the top level
+        scaling_raw = {"original_max_position_embeddings": raw["original_max_position_embeddings"]} | scaling_raw
     scaling = RopeScaling.from_hf(scaling_raw if isinstance(scaling_raw, dict) else None, max_positions)
     return float(theta), scaling, None if local_theta is None else float(local_theta)
 
@@ -132,8 +135,9 @@ def hf_model_config(raw: dict[str, Any], generation_config: dict[str, Any] | Non
     hidden = int(raw["hidden_size"])
     num_layers = int(raw["num_hidden_layers"])
     head_dim = int(raw.get("head_dim") or hidden // heads)
-    if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1, e.g. Phi-4-mini) are not supported")
+    params = raw.get("rope_parameters")
+    rotary_factor = float(raw.get("partial_rotary_factor")
+                          or (params.get("partial_rotary_factor") if isinstance(params, dict) else None) or 1.0)
     theta, scaling, local_theta = _hf_rope(raw)
     sliding = _hf_sliding_layers(raw, family, num_layers)
     options: dict[str, Any] = {}
@@ -168,6 +172,7 @@ def hf_model_config(raw: dict[str, Any], generation_config: dict[str, Any] | Non
         sliding_window=int(raw["sliding_window"]) if sliding else None,
         sliding_layers=sliding,
         rope_local_theta=local_theta if sliding else None,
+        rotary_dim=int(head_dim * rotary_factor) if rotary_factor != 1.0 else None,
         **options,
     )
 
@@ -188,8 +193,10 @@ def read_hf_config(path: str) -> tuple[ModelConfig, Family]:
 
 
 def gguf_model_config(field: Callable[[str, Any], Any], tensor_names: set[str], vocab_tokens: list[str],
-                      token_types: list[int], freq_factors: tuple[float, ...] | None) -> tuple[ModelConfig, Family]:
-    """`field(key, default)` reads GGUF metadata; llama.cpp's conventions fill what a GGUF does not say."""
+                      token_types: list[int], config_tensors: dict[str, tuple[float, ...]]
+                      ) -> tuple[ModelConfig, Family]:
+    """`field(key, default)` reads GGUF metadata, `config_tensors` the GGUF_CONFIG_TENSORS the file has;
+    llama.cpp's conventions fill what a GGUF does not say."""
     arch = str(field("general.architecture", None))
     family = family_of_architecture(arch)
 
@@ -202,8 +209,18 @@ def gguf_model_config(field: Callable[[str, Any], Any], tensor_names: set[str], 
     head_dim = int(get("attention.key_length", hidden // heads))
     theta = float(get("rope.freq_base", 10000.0))
     kind = str(get("rope.scaling.type", "none"))
+    rotary_dim = int(get("rope.dimension_count", head_dim))
+    freq_factors = config_tensors.get("rope_freqs.weight")
     scaling = RopeScaling(freq_factors=freq_factors)
-    if kind in ("linear", "yarn"):
+    if "rope_factors_long.weight" in config_tensors:  # Phi-3.5/Phi-4-mini: longrope's factors as tensors
+        original = get("rope.scaling.original_context_length")
+        attn_factor = get("rope.scaling.attn_factor")
+        scaling = RopeScaling(rope_type="longrope", factor=int(get("context_length", 2048)) / int(original),
+                              original_max_position_embeddings=int(original),
+                              attention_factor=None if attn_factor is None else float(attn_factor),
+                              long_factor=config_tensors["rope_factors_long.weight"],
+                              short_factor=config_tensors["rope_factors_short.weight"])
+    elif kind in ("linear", "yarn"):
         original = get("rope.scaling.original_context_length")
         scaling = RopeScaling(rope_type=kind, factor=float(get("rope.scaling.factor", 1.0)),
                               original_max_position_embeddings=None if original is None else int(original),
@@ -246,6 +263,7 @@ def gguf_model_config(field: Callable[[str, Any], Any], tensor_names: set[str], 
         sliding_window=int(window) if sliding else None,
         sliding_layers=sliding,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if sliding else None,
+        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         **options,
     )
     return config, family
@@ -286,7 +304,7 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 # tensors that configure the model rather than weigh it (read by the loader into ModelConfig)
-GGUF_CONFIG_TENSORS = ("rope_freqs.weight",)
+GGUF_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def hf_tensor_name(gguf_name: str, family: Family) -> str:

@@ -220,6 +220,22 @@ class NativeDecoderStack:
         return out, x
 
 
+def _partial_rotary_order(config: ModelConfig) -> torch.Tensor | None:
+    """Partial rotary: the order of the fused q/k/v rows that puts each q and k head's rotated dims at the outer
+    parts of its two halves (RotaryEmbedding's layout); None when every dim rotates. Reordering q and k alike
+    leaves every q.k product, hence attention, unchanged; v keeps its order."""
+    hd, rot = config.head_dim, config.rotary_dim or config.head_dim
+    if rot == hd:
+        return None
+    half, passed = rot // 2, (hd - rot) // 2
+    head = torch.cat([torch.arange(half), rot + torch.arange(passed), half + torch.arange(half),
+                      rot + passed + torch.arange(passed)])
+    rows = [h * hd + head for h in range(config.num_heads + config.num_kv_heads)]
+    first_v = (config.num_heads + config.num_kv_heads) * hd
+    rows.append(first_v + torch.arange(config.num_kv_heads * hd))
+    return torch.cat(rows)
+
+
 class LlamaForCausalLM(nn.Module):
     """`quantization` is a resolved mode of `model/quant.py` ("none", "bf16", "int8"); it applies to every
     projection and to the LM head. A tied LM head doubles as the embedding table (one copy of the weights)."""
@@ -234,14 +250,17 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, quantization, config.window_of(i))
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
-                                    config.rope_scaling)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_context_len, config.rope_scaling,
+                                    config.rotary_dim, config.max_position_embeddings)
         # Gemma 3's windowed layers rotate with their own base, unscaled
         self.local_rope = (None if config.rope_local_theta is None else
-                           RotaryEmbedding(config.head_dim, config.rope_local_theta, config.max_position_embeddings))
+                           RotaryEmbedding(config.head_dim, config.rope_local_theta, config.max_context_len,
+                                           rotary_dim=config.rotary_dim))
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale)
         self.lm_head = make_linear(quantization, config.hidden_size, config.vocab_size)
         self._stack: NativeDecoderStack | None = None  # set by bind_kv_caches
+        self.rotary_order = _partial_rotary_order(config)
+
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -251,10 +270,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.lm_head.rows(input_ids) if self.embed_tokens is None else self.embed_tokens(input_ids)
         return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] of a flat token batch."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flat token batch. `rope_lengths` [T]: the sequence length each token
+        is rotated for, max(prompt length, position + 1), read by length-dependent rope scalings (rope.py)."""
         x = self.embed(input_ids)
-        rope = self.rope(positions)
+        rope = self.rope(positions, rope_lengths)
         if self._stack is not None and x.device.type == "cpu" and x.dtype == torch.float32:
             out, stream = self._stack(x.contiguous(), rope, meta)
             return self.norm(out, stream)[0]
@@ -306,17 +327,22 @@ class LlamaForCausalLM(nn.Module):
             else:
                 layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
             if attn.q_norm is not None and attn.k_norm is not None:
-                attn.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
-                attn.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
+                head_order = slice(None) if self.rotary_order is None else self.rotary_order[:self.config.head_dim]
+                attn.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight")[head_order])
+                attn.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight")[head_order])
+            qkv_bias = None
             if p + "self_attn.qkv_proj.weight" in weights:  # stored fused (Phi-3): q, k, v rows in that order
-                fused_bias = p + "self_attn.qkv_proj.bias"
-                attn.qkv_proj.load(take(p + "self_attn.qkv_proj.weight"),
-                                   take(fused_bias) if attn.qkv_proj.bias is not None else None)
+                qkv = take(p + "self_attn.qkv_proj.weight")
+                if attn.qkv_proj.bias is not None:
+                    qkv_bias = take(p + "self_attn.qkv_proj.bias")
             else:
-                qkv_bias = None
+                qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
                 if attn.qkv_proj.bias is not None:
                     qkv_bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                attn.qkv_proj.load(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias)
+            if self.rotary_order is not None:
+                qkv = qkv[self.rotary_order]
+                qkv_bias = None if qkv_bias is None else qkv_bias[self.rotary_order]
+            attn.qkv_proj.load(qkv, qkv_bias)
             attn.o_proj.load(take(p + "self_attn.o_proj.weight"))
             if p + "mlp.gate_up_proj.weight" in weights:  # gate rows, then up rows
                 mlp.gate_up_proj.load(take(p + "mlp.gate_up_proj.weight"))

@@ -138,12 +138,12 @@ def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
 
 def gguf_model_config(reader: GGUFFile) -> tuple[ModelConfig, Family]:
     tensors = {t.name: t for t in reader.tensors}
-    freqs = tensors.get("rope_freqs.weight")
-    freq_factors = None if freqs is None else tuple(float(f) for f in _dequantize(freqs).flatten())
+    config_tensors = {name: tuple(float(f) for f in _dequantize(tensors[name]).flatten())
+                      for name in families.GGUF_CONFIG_TENSORS if name in tensors}
     tokens = list(gguf_field(reader, "tokenizer.ggml.tokens", []))
     types = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     return families.gguf_model_config(lambda key, default: gguf_field(reader, key, default), set(tensors), tokens,
-                                      types, freq_factors)
+                                      types, config_tensors)
 
 
 def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:

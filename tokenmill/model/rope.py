@@ -4,6 +4,12 @@
 A `RopeScaling` is plain data read from a Hugging Face config (`rope_scaling` / `rope_parameters`) or from a
 GGUF's `rope.scaling.*` keys; `inverse_frequencies` turns it into (inv_freq, attention_factor), and
 `RotaryEmbedding` into per-position tables.
+
+Two scalings depend on the length of the sequence, not only on the position: `longrope` (Phi-3.5, Phi-4-mini)
+switches to its long factors and `dynamic` (NTK) raises its base once a sequence outgrows the original context.
+transformers decides per forward call from the call's largest position, so in a generation a token at position
+p was rotated for the length max(prompt length, p + 1); `RotaryEmbedding` takes that length per token
+(`rope_lengths`), which makes the choice per request and batch-invariant.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from torch import nn
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, head_dim] of one step's positions
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,8 @@ class RopeScaling:
     truncate: bool = True
     # per-frequency divisors stored in a GGUF (llama.cpp's `rope_freqs.weight`: Llama 3's scaling, precomputed)
     freq_factors: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors past the original context
+    short_factor: tuple[float, ...] | None = None  # ... and within it
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -47,6 +56,8 @@ class RopeScaling:
         if not raw:
             return RopeScaling()
         rope_type = str(raw.get("rope_type", raw.get("type", "default")) or "default")
+        if rope_type == "su":  # Phi-3's first name for longrope
+            rope_type = "longrope"
         if rope_type == "default":
             return RopeScaling()
 
@@ -56,8 +67,13 @@ class RopeScaling:
 
         original = raw.get("original_max_position_embeddings")
         factor = number("factor")
-        if rope_type == "yarn" and factor is None and original:
+        if rope_type in ("yarn", "longrope") and factor is None and original:
             factor = max_position_embeddings / int(original)
+
+        def factors(key: str) -> tuple[float, ...] | None:
+            value = raw.get(key)
+            return None if value is None else tuple(float(v) for v in value)
+
         return RopeScaling(
             rope_type=rope_type, factor=1.0 if factor is None else factor,
             original_max_position_embeddings=None if original is None else int(original),
@@ -65,18 +81,34 @@ class RopeScaling:
             beta_fast=number("beta_fast"), beta_slow=number("beta_slow"),
             attention_factor=number("attention_factor"), mscale=number("mscale"),
             mscale_all_dim=number("mscale_all_dim"), truncate=bool(raw.get("truncate", True)),
+            long_factor=factors("long_factor"), short_factor=factors("short_factor"),
         )
 
+    @property
+    def length_dependent(self) -> bool:
+        return self.rope_type in LENGTH_DEPENDENT_ROPE_TYPES
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2], attention_factor): the factor multiplies cos and sin (yarn's mscale)."""
+    def context_length(self, max_position_embeddings: int) -> int:
+        """The longest sequence the scaling serves: dynamic NTK extends the model's context by its factor."""
+        if self.rope_type == "dynamic" and self.factor > 1:
+            return int(max_position_embeddings * self.factor)
+        return max_position_embeddings
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling,
+                        long: bool = False) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], attention_factor): the factor multiplies cos and sin (yarn's and longrope's
+    mscale). `head_dim` is the rotated width; `long` picks longrope's long factors. Dynamic NTK's frequencies
+    within the original context are the default ones (`dynamic_inverse_frequencies` past it)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     kind = scaling.rope_type
     if scaling.freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
-    if kind == "default":
+    if kind in ("default", "dynamic"):
         return inv_freq, 1.0
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling, long)
     if kind == "linear":
         return inv_freq / scaling.factor, 1.0
     if kind == "llama3":
@@ -137,19 +169,89 @@ def _yarn(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tens
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (Hugging Face layout) with a cos/sin table for every position."""
+def _longrope(head_dim: int, theta: float, scaling: RopeScaling, long: bool) -> tuple[torch.Tensor, float]:
+    """LongRoPE: the base frequencies divided by per-frequency factors, a long set and a short one."""
+    original = _require(scaling.original_max_position_embeddings, "original_max_position_embeddings", "longrope")
+    factors = scaling.long_factor if long else scaling.short_factor
+    if factors is None or len(factors) != head_dim // 2:
+        raise ValueError(f"rope scaling 'longrope' needs long_factor and short_factor of {head_dim // 2} values")
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        factor = scaling.factor
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents), float(attention_factor)
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None) -> None:
+
+def dynamic_inverse_frequencies(head_dim: int, theta: float, factor: float, base_context: int,
+                                lengths: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK: inv_freq [n, head_dim / 2] for sequences of `lengths` [n] past `base_context`, the base
+    raised as transformers does (float32 tensor arithmetic, so the tables match its bits)."""
+    lengths = torch.maximum(lengths, torch.tensor(base_context, dtype=lengths.dtype))
+    base = theta * ((factor * lengths / base_context) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (base[:, None] ** exponents[None, :])
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (Hugging Face layout) with a cos/sin table for every position.
+
+    With `rotary_dim` < head_dim (partial rotary, Phi-4-mini) the loader has reordered each head's q/k rows so
+    that the rotated dims form the outer parts of both halves ([rot_a, pass_a, rot_b, pass_b]); their table
+    columns are cos 1, sin 0, so one full-width rotate-half kernel serves every model.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
+                 rotary_dim: int | None = None, base_context: int | None = None) -> None:
         super().__init__()
-        inv_freq, attention_factor = inverse_frequencies(head_dim, theta, scaling or RopeScaling())
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        self.scaling = scaling or RopeScaling()
+        self.head_dim, self.theta = head_dim, theta
+        self.rotary_dim = rotary_dim or head_dim
+        # the length past which a length-dependent scaling changes (longrope: the original context)
+        self.threshold = (self.scaling.original_max_position_embeddings if self.scaling.rope_type == "longrope"
+                          else base_context) or max_positions
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+        inv_freq, attention_factor = inverse_frequencies(self.rotary_dim, theta, self.scaling)
+        self.register_buffer("cos", self._table(inv_freq, attention_factor, max_positions)[0], persistent=False)
+        self.register_buffer("sin", self._table(inv_freq, attention_factor, max_positions)[1], persistent=False)
+        self.long_tables: RopeTables | None = None
+        if self.scaling.rope_type == "longrope":
+            self.long_tables = self._table(*inverse_frequencies(self.rotary_dim, theta, self.scaling, long=True),
+                                           max_positions)
 
-    def forward(self, positions: torch.Tensor) -> RopeTables:
-        """(cos, sin) [T, hd] of a step's positions: looked up once per step, shared by the layers using it."""
-        return self.cos[positions], self.sin[positions]
+    def _table(self, inv_freq: torch.Tensor, attention_factor: float, num_positions: int) -> RopeTables:
+        freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        return self._layout(freqs, attention_factor)
+
+    def _layout(self, freqs: torch.Tensor, attention_factor: float) -> RopeTables:
+        """freqs [T, rotary_dim / 2] -> (cos, sin) [T, head_dim] in the rotate-half layout (module docstring)."""
+        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        passed = (self.head_dim - self.rotary_dim) // 2
+        if passed:
+            cos = torch.cat((cos, torch.ones(len(freqs), passed)), dim=-1)
+            sin = torch.cat((sin, torch.zeros(len(freqs), passed)), dim=-1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+    def forward(self, positions: torch.Tensor, rope_lengths: torch.Tensor | None = None) -> RopeTables:
+        """(cos, sin) [T, hd] of a step's positions: looked up once per step, shared by the layers using it.
+        `rope_lengths` [T]: the sequence length each token is rotated for (module docstring); needed by the
+        length-dependent scalings only."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        if not self.scaling.length_dependent or rope_lengths is None:
+            return cos, sin
+        past = rope_lengths > self.threshold
+        if not bool(past.any()):
+            return cos, sin
+        if self.long_tables is not None:
+            long_cos, long_sin = self.long_tables
+            rows = past[:, None]
+            return torch.where(rows, long_cos[positions], cos), torch.where(rows, long_sin[positions], sin)
+        # dynamic NTK: the base grows with the length, so these rows are computed for their own length
+        index = past.nonzero().flatten()
+        inv_freq = dynamic_inverse_frequencies(self.rotary_dim, self.theta, self.scaling.factor, self.threshold,
+                                               rope_lengths[index])
+        far_cos, far_sin = self._layout(positions[index].float()[:, None] * inv_freq, 1.0)
+        cos, sin = cos.clone(), sin.clone()
+        cos[index], sin[index] = far_cos, far_sin
+        return cos, sin
