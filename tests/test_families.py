@@ -54,11 +54,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def _save_tokenizer(path: Path) -> None:
     """A word-level tokenizer over the model's vocabulary: the tests feed token ids, the engine needs one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.ByteLevel()  # ASCII words decode as themselves; grammars read the vocabulary
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "w1", "eos_token": "w2"}))
 
@@ -108,6 +109,28 @@ def test_greedy_tokens_match_transformers(family: tuple[str, Path, Any]) -> None
     alone = [llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts[2:]]  # now hits the prefix cache
     assert llm.engine.core.kv.prefix_hits > 0
     assert [list(o.outputs[0].token_ids) for o in alone] == expected[2:], name
+
+
+def test_int8_speculation_and_structured_outputs_work_for_every_family(family: tuple[str, Path, Any]) -> None:
+    """The engine's features on each family: int8 weights (the native decoder stack where the family allows),
+    speculation (the family's model drafting for itself) token-identical to plain greedy, and a structured-output
+    choice obeyed."""
+    name, path, _ = family
+    prompts = [p[:30] for p in _prompts()[1:]]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = LLM(str(path), device=DEVICE, quantization="int8")
+    expected = [list(o.outputs[0].token_ids) for o in plain.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    speculating = LLM(str(path), device=DEVICE, quantization="int8", speculative_config={
+        "method": "draft_model", "model": str(path), "quantization": "int8", "num_speculative_tokens": 3})
+    outputs = speculating.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected, name
+    assert speculating.engine.core.scheduler.total_spec_accepted_tokens > 0
+    # "v" (no token spells it) keeps a first byte from being forced: the word-level test vocabulary cannot
+    # tokenize a forced lone "w"
+    choice = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"choice": ["w7w9", "w5w3", "v"]})
+    output = plain.generate({"prompt_token_ids": prompts[0]}, choice)[0].outputs[0]
+    assert output.text in ("w7w9", "w5w3") and output.finish_reason == "stop", (name, output)
 
 
 def test_family_options_read_from_the_config(family: tuple[str, Path, Any]) -> None:
