@@ -225,3 +225,71 @@ def test_lazy_weights_answer_membership_without_reading() -> None:
     assert "a" in weights and "c" not in weights and reads == []
     weights["b"]
     assert reads == ["b"]
+
+
+# ------------------------------------------------------------------ GGUF blocks decoded natively
+
+
+def _blocks_of_every_type() -> list[tuple[object, np.ndarray, int, int]]:
+    """(type, bytes [rows, row bytes], rows, cols) for every type gguf_blocks.c decodes: the `gguf` package
+    quantizes the simple ones; the k-quants (which it cannot quantize) are random bytes with finite scales."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    rows, cols = 24, 512
+    weight = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    weight[3, 7] = 0.9  # an outlier row
+    out = [(t, np.ascontiguousarray(quantize(weight, t)).view(np.uint8).reshape(rows, -1), rows, cols)
+           for t in (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)]
+    # block bytes, and the offsets of its fp16 scales
+    k_quants = {T.Q2_K: (84, (80, 82)), T.Q3_K: (110, (108,)), T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)),
+                T.Q6_K: (210, (208,))}
+    for t, (size, scales) in k_quants.items():
+        blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+        for at in scales:
+            blocks[:, at:at + 2] = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        out.append((t, blocks.reshape(rows, -1), rows, cols))
+    return out
+
+
+def test_native_block_decoding_is_bit_identical_to_the_gguf_package() -> None:
+    from gguf.quants import dequantize
+
+    from tokenmill import kernels
+    from tokenmill.model.quant import quantize_rows
+
+    for kind, data, rows, cols in _blocks_of_every_type():
+        assert kernels.gguf_decodable(int(kind), cols), kind
+        expected = torch.from_numpy(np.asarray(dequantize(data, kind), dtype=np.float32).reshape(rows, cols))
+        ours = kernels.gguf_dequantize(data, int(kind), rows, cols)
+        assert torch.equal(ours.view(torch.int32), expected.view(torch.int32)), kind
+        q, scale = kernels.gguf_to_int8_rows(data, int(kind), rows, cols)
+        q_expected, scale_expected = quantize_rows(expected)
+        assert torch.equal(q, q_expected) and torch.equal(scale, scale_expected.squeeze(1)), kind
+        index = torch.tensor([5, 0, 23, 5])
+        assert torch.equal(kernels.gguf_gather_rows(data, int(kind), rows, cols, index), expected[index]), kind
+    with pytest.raises(IndexError):
+        kernels.gguf_gather_rows(data, int(kind), rows, cols, torch.tensor([rows]))
+
+
+def test_int8_layers_from_blocks_equal_int8_from_float32(model_path: str) -> None:
+    """An int8 model loaded from the file's blocks (no float32 copy) is the one built from the float32
+    dequantization: same weights, same logits, bit for bit."""
+    from tokenmill.model.llama import LlamaForCausalLM
+    from tokenmill.model.loader import LazyWeights
+
+    from tokenmill.model.quant import Int8Linear
+
+    loaded = load_model(model_path)
+    assert isinstance(loaded.weights, LazyWeights) and loaded.weights.int8_rows("model.embed_tokens.weight") is not None
+    from_blocks = LlamaForCausalLM(loaded.config, "int8")
+    from_blocks.load_weights(loaded.weights)
+    from_float = LlamaForCausalLM(loaded.config, "int8")
+    from_float.load_weights({name: loaded.weights[name] for name in loaded.weights})  # a plain dict: float32
+    pairs = [(name, a, b) for (name, a), b in zip(from_blocks.named_modules(), from_float.modules())
+             if isinstance(a, Int8Linear) and isinstance(b, Int8Linear)]
+    assert len(pairs) == 4 * loaded.config.num_layers + 1
+    for name, a, b in pairs:
+        assert torch.equal(a.scale, b.scale) and torch.equal(a.qweight, b.qweight), name
+        assert (a.packed is None) == (b.packed is None) and (a.packed is None or torch.equal(a.packed, b.packed))

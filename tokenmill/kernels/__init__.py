@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tokenmill.platform import cpu_flags
@@ -235,6 +236,69 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
        logits.shape[1])
 
 
+@functools.cache
+def _gguf_fns() -> tuple[ctypes._CFuncPtr, ...] | None:  # type: ignore[name-defined]
+    lib = load_library("gguf_blocks")
+    if lib is None:
+        return None
+    row_bytes = lib.gguf_row_bytes
+    row_bytes.argtypes, row_bytes.restype = [ctypes.c_int, _I64], _I64
+    dequantize = _function("gguf_blocks", "gguf_dequantize", [ctypes.c_int, _PTR, _I64, _I64, _PTR])
+    to_int8 = _function("gguf_blocks", "gguf_quantize_int8", [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR])
+    gather = _function("gguf_blocks", "gguf_gather_rows", [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR])
+    assert dequantize is not None and to_int8 is not None and gather is not None
+    return row_bytes, dequantize, to_int8, gather
+
+
+def gguf_decodable(tensor_type: int, cols: int) -> bool:
+    """Whether gguf_blocks.c decodes rows of `cols` values of this GGML type (F32/F16/BF16, Q4_0-Q8_0 and
+    the k-quants Q2_K-Q6_K)."""
+    fns = _gguf_fns()
+    return fns is not None and fns[0](tensor_type, cols) > 0
+
+
+def _gguf_source(data: np.ndarray, tensor_type: int, rows: int, cols: int) -> int:
+    fns = _gguf_fns()
+    assert fns is not None
+    if data.nbytes != rows * fns[0](tensor_type, cols) or not data.flags.c_contiguous:
+        raise ValueError(f"GGUF tensor data of {data.nbytes} bytes is not {rows} rows of {cols} values")
+    return int(data.ctypes.data)
+
+
+def gguf_dequantize(data: np.ndarray, tensor_type: int, rows: int, cols: int) -> torch.Tensor:
+    """The float32 [rows, cols] of a GGUF tensor's bytes (a view into the file's map), bit-identical to the
+    `gguf` package's numpy dequantization."""
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    fns = _gguf_fns()
+    assert fns is not None
+    fns[1](tensor_type, _gguf_source(data, tensor_type, rows, cols), rows, cols, out.data_ptr())
+    return out
+
+
+def gguf_to_int8_rows(data: np.ndarray, tensor_type: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [rows, cols], scale [rows]) of a GGUF tensor's bytes, as quant.quantize_rows of its float32
+    dequantization, without making that float32 copy."""
+    q = torch.empty(rows, cols, dtype=torch.int8)
+    scale = torch.empty(rows, dtype=torch.float32)
+    fns = _gguf_fns()
+    assert fns is not None
+    fns[2](tensor_type, _gguf_source(data, tensor_type, rows, cols), rows, cols, q.data_ptr(), scale.data_ptr())
+    return q, scale
+
+
+def gguf_gather_rows(data: np.ndarray, tensor_type: int, rows: int, cols: int, index: torch.Tensor) -> torch.Tensor:
+    """float32 [len(index), cols]: the rows `index` of a GGUF tensor, decoded from its bytes."""
+    fns = _gguf_fns()
+    assert fns is not None
+    index = index.to(torch.int64).contiguous()
+    if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < rows:
+        raise IndexError(f"row index out of range [0, {rows})")
+    out = torch.empty(index.numel(), cols, dtype=torch.float32)
+    fns[3](tensor_type, _gguf_source(data, tensor_type, rows, cols), cols, index.data_ptr(), index.numel(),
+           out.data_ptr())
+    return out
+
+
 def prepare() -> str:
     """Build every kernel now (at start-up, not in the first request's step); returns a line for the log."""
     ready = {
@@ -244,6 +308,7 @@ def prepare() -> str:
         "layer ops": _layer_fns() is not None,
         "token bitmask": _bitmask_fn() is not None,
         "int8 decoder stack": _decoder_fn() is not None,
+        "GGUF block decoding": _gguf_fns() is not None,
     }
     return "native CPU kernels: " + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in ready.items())
 

