@@ -248,7 +248,8 @@ def _blocks_of_every_type() -> list[tuple[object, np.ndarray, int, int]]:
     for t, (size, scales) in k_quants.items():
         blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
         for at in scales:
-            blocks[:, at:at + 2] = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            scale = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+            blocks[:, at:at + 2] = scale.view(np.uint8).reshape(-1, 2)
         out.append((t, blocks.reshape(rows, -1), rows, cols))
     return out
 
@@ -278,7 +279,6 @@ def test_int8_layers_from_blocks_equal_int8_from_float32(model_path: str) -> Non
     dequantization: same weights, same logits, bit for bit."""
     from tokenmill.model.llama import LlamaForCausalLM
     from tokenmill.model.loader import LazyWeights
-
     from tokenmill.model.quant import Int8Linear
 
     loaded = load_model(model_path)

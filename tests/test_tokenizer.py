@@ -72,3 +72,21 @@ def test_streaming_waits_for_split_multibyte_characters(tokenizer) -> None:  # n
     detok = IncrementalDetokenizer(tokenizer)
     assert [detok.add_tokens([t]) for t in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.add_tokens(ids[-1:]) == "🚀"
+
+
+def test_converted_gguf_tokenizer_is_cached_and_reads_back_the_same(model_path: str, tmp_path,  # noqa: ANN001
+                                                                     monkeypatch) -> None:  # noqa: ANN001
+    """The first start converts the file's vocabulary and keeps tokenizer.json in the cache; the next reads it
+    back and tokenizes the same (a damaged entry is rebuilt, not trusted)."""
+    from tokenmill.model.tokenizer import Tokenizer
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    built = Tokenizer.from_gguf(model_path)
+    entries = list((tmp_path / "tokenizers").glob("*.json"))
+    assert len(entries) == 1
+    cached = Tokenizer.from_gguf(model_path)
+    text = "Héllo wörld <|im_start|>user\n  indented\tcode() 12345 🙂"
+    assert cached.encode(text) == built.encode(text) and cached.decode(built.encode(text)) == built.decode(
+        built.encode(text))
+    entries[0].write_text("{not json")
+    assert Tokenizer.from_gguf(model_path).encode(text) == built.encode(text)

@@ -4,11 +4,19 @@ them) and the threading rule OpenMP imposes."""
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def cache_root() -> Path:
+    """Where built artefacts (kernels, converted tokenizers) are kept: $TOKENMILL_CACHE_DIR or ~/.cache/tokenmill."""
+    base = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    return Path(base)
 
 
 @functools.cache

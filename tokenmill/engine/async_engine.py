@@ -165,13 +165,24 @@ class AsyncLLM:
     def over_replicas(cls, config: EngineConfig, replicas: list[Replica], router: str) -> AsyncLLM:
         """Launch the replicas side by side and build the front end over them. This process reads only the
         tokenizer and the model's metadata (weights load lazily, so it never reads them)."""
+        import concurrent.futures
+
         from tokenmill.model.loader import load_model
         from tokenmill.model.tokenizer import Tokenizer
 
         loaded = load_model(config.model)
-        tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader, config.chat_template)
+        # the replicas start (and load their weights) while this process builds its tokenizer
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            launching = pool.submit(launch_all, replicas)
+            try:
+                tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader, config.chat_template)
+            except BaseException:
+                launching.result()  # then stop what it started: the tokenizer's error is the one to report
+                for replica in replicas:
+                    replica.stop(timeout=1.0)
+                raise
+            launching.result()
         max_model_len, eos = model_limits(loaded, tokenizer, config)
-        launch_all(replicas)
         capacity = min(r.info.num_kv_blocks * r.info.block_size for r in replicas if r.info is not None)
         processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity,
                                    cache_salt_of=loaded.config.rope_cache_key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -38,13 +39,20 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         loaded = load_model(config.model)
-        return cls.from_loaded(config, loaded, Tokenizer.from_path(loaded.path, loaded.gguf_reader,
-                                                                  config.chat_template))
+        # the tokenizer is built (Python, Rust) while the weights load (native code, the GIL released)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(Tokenizer.from_path, loaded.path, loaded.gguf_reader, config.chat_template)
+            runner = ModelRunner(config, loaded.config, loaded.weights)
+            return cls._over_runner(config, loaded, tokenizer.result(), runner)
 
     @classmethod
     def from_loaded(cls, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer) -> LLMEngine:
         """An engine over weights already in memory (benchmarks and tests build several from one load)."""
-        runner = ModelRunner(config, loaded.config, loaded.weights)
+        return cls._over_runner(config, loaded, tokenizer, ModelRunner(config, loaded.config, loaded.weights))
+
+    @classmethod
+    def _over_runner(cls, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer,
+                     runner: ModelRunner) -> LLMEngine:
         max_model_len, eos = model_limits(loaded, tokenizer, config)
         return cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size,
                    cache_salt_of=loaded.config.rope_cache_key)

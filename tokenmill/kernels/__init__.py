@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenmill.platform import cpu_flags
+from tokenmill.platform import cache_root, cpu_flags
 
 logger = logging.getLogger(__name__)
 _SOURCE_DIR = Path(__file__).parent
@@ -33,8 +33,7 @@ MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 64
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return Path(base) / "kernels"
+    return cache_root() / "kernels"
 
 
 @functools.cache
@@ -126,14 +125,16 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
     """int8 weight [n, k] (k a multiple of 4) -> packed [ceil(n/L), k/4, L, 4], the layout `int8_linear_grouped`
     reads (int8_rows.c): L outputs per vector, four consecutive k each; on VNNI hosts (L = 16) the bytes hold
     w + 128 as unsigned."""
-    lanes, offset = _pack_layout()
+    lanes, _ = _pack_layout()
     n, k = weight.shape
-    padded = -(-n // lanes) * lanes
-    rows = torch.zeros(padded, k, dtype=torch.int8)
-    rows[:n] = weight
-    if offset:
-        rows = (rows.view(torch.uint8) ^ 0x80).view(torch.int8)  # the bytes of w + 128
-    return rows.reshape(padded // lanes, lanes, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    if k % 4:
+        raise ValueError(f"packing needs in_features a multiple of 4, got {k}")
+    weight = weight.contiguous()
+    out = torch.empty(-(-n // lanes), k // 4, lanes, 4, dtype=torch.int8)
+    pack = _function("int8_rows", "int8_pack", [_PTR, _I64, _I64, _PTR])
+    assert pack is not None
+    pack(weight.data_ptr(), n, k, out.data_ptr())
+    return out
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -326,3 +326,24 @@ void int8_linear_grouped(const float *x, int64_t rows, int64_t k, int64_t x_stri
         (void)n;
 }
 #endif
+
+/* int8 weight [n, k] -> the packed layout [ceil(n/L), k/4, L, 4] the grouped kernel reads (L, offset: this ISA's
+ * int8_pack_lanes and int8_pack_offset; rows past n are zero weights). One pass, parallel over row groups. */
+void int8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *out) {
+    int64_t lanes = int8_pack_lanes(), groups = (n + lanes - 1) / lanes;
+    uint8_t offset = (uint8_t)int8_pack_offset();
+    if (lanes == 0) return;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        int8_t *dst = out + g * k * lanes;
+        for (int64_t quad = 0; quad < k / 4; quad++) {
+            for (int64_t lane = 0; lane < lanes; lane++) {
+                int64_t row = g * lanes + lane;
+                for (int b = 0; b < 4; b++) {
+                    int8_t v = row < n ? w[row * k + quad * 4 + b] : 0;
+                    *dst++ = (int8_t)((uint8_t)v ^ offset);
+                }
+            }
+        }
+    }
+}

@@ -9,6 +9,7 @@ bytes per row), so `gguf.quants.dequantize` reads it unchanged. Format: https://
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -107,3 +108,15 @@ class GGUFFile:
             count = int(np.prod(shape)) // block * size
             data = self._map[offset:offset + count].reshape(byte_shape)
         return GGUFTensor(name, dims, kind, data)
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the tensor's pages from this process's memory once it has been converted (they are clean file
+        pages: a later read faults them in again). Without it the whole file stays resident after loading."""
+        raw = getattr(self._map, "_mmap", None)
+        if raw is None or not hasattr(raw, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        begin = tensor.data.ctypes.data - self._map.ctypes.data
+        first, last = -(-begin // page) * page, (begin + tensor.data.nbytes) // page * page
+        if last > first:
+            raw.madvise(mmap.MADV_DONTNEED, first, last - first)

@@ -89,7 +89,12 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def int8_rows(self, name: str) -> Int8Rows | None:
         """The tensor as per-row int8 made straight from the file's blocks, where the file allows; else None."""
         reader = self._int8_readers.get(name)
-        return None if reader is None else reader()
+        if reader is None:
+            return None
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+        return reader()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         # glibc keeps freed float32 tensors in its heap; hand them back before reading the next one, or peak
@@ -190,17 +195,27 @@ def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
         return value
 
     def reader_of(tensor: GGUFTensor, name: str) -> Callable[[], torch.Tensor]:
-        return lambda: rows_in_hf_order(_dequantize(tensor), name)
+        def read() -> torch.Tensor:
+            value = _dequantize(tensor)
+            if name not in stored:
+                reader.release(tensor)
+            return rows_in_hf_order(value, name)
+
+        return read
 
     def int8_reader_of(tensor: GGUFTensor, name: str) -> Callable[[], Int8Rows]:
         def read() -> Int8Rows:
             rows, cols = _shape(tensor)
             q, scale = kernels.gguf_to_int8_rows(tensor.data, int(tensor.tensor_type), rows, cols)
+            if name not in stored:  # an embedding table keeps being read from the file
+                reader.release(tensor)
             return rows_in_hf_order(q, name), rows_in_hf_order(scale, name)
 
         return read
 
-    readers, int8_readers, stored = {}, {}, {}
+    readers: dict[str, Callable[[], torch.Tensor]] = {}
+    int8_readers: dict[str, Callable[[], Int8Rows]] = {}
+    stored: dict[str, StoredEmbedding] = {}
     for tensor in reader.tensors:
         if tensor.name in families.GGUF_CONFIG_TENSORS:
             continue
@@ -208,7 +223,7 @@ def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
         readers[name] = reader_of(tensor, name)
         if len(tensor.shape) == 2 and _natively_decodable(tensor):
             int8_readers[name] = int8_reader_of(tensor, name)
-            if name == "model.embed_tokens.weight":
+            if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
                 rows, cols = _shape(tensor)
                 stored[name] = StoredEmbedding(tensor.data, int(tensor.tensor_type), rows, cols)
     return config, LazyWeights(readers, int8_readers, stored)

@@ -140,7 +140,7 @@ class Int8Linear(QuantLinear):
 
     def _load_weight(self, weight: torch.Tensor) -> None:
         qweight, scale = quantize_rows(weight)
-        self.load_int8(qweight, scale.squeeze(1))
+        self._set_int8(qweight, scale.squeeze(1))
 
     def load_int8(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """The weight already quantized as `quantize_rows` does (int8 [out, in], scale [out]): GGUF blocks
@@ -148,13 +148,16 @@ class Int8Linear(QuantLinear):
         if tuple(qweight.shape) != (self.out_features, self.in_features) or scale.shape != (self.out_features,):
             raise ValueError(f"int8 weight {tuple(qweight.shape)} / scale {tuple(scale.shape)} do not fit "
                              f"{(self.out_features, self.in_features)}")
-        self.qweight, self.scale = qweight.contiguous(), scale.contiguous()
-        if kernels.int8_grouped_available() and self.in_features % kernels.INT8_GROUP == 0:
-            self.packed = kernels.pack_vnni(self.qweight)
+        self._set_int8(qweight, scale)
         if self.bias is not None:
             if bias is None:
                 raise ValueError("this layer has a bias but none was given")
             self.bias.data.copy_(bias)
+
+    def _set_int8(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        self.qweight, self.scale = qweight.contiguous(), scale.contiguous()
+        if kernels.int8_grouped_available() and self.in_features % kernels.INT8_GROUP == 0:
+            self.packed = kernels.pack_vnni(self.qweight)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         if self.qweight.numel() == 0:

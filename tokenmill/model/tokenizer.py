@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenmill.model.families import GGUF_CONTROL_TOKEN, GGUF_NORMAL_TOKEN, GGUF_USER_DEFINED_TOKEN
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.loader import gguf_field
+from tokenmill.platform import cache_root
 
 _NORMAL, _CONTROL, _USER_DEFINED = GGUF_NORMAL_TOKEN, GGUF_CONTROL_TOKEN, GGUF_USER_DEFINED_TOKEN
 SPIECE_SPACE = "\u2581"
@@ -72,22 +76,8 @@ class Tokenizer:
     def from_gguf(cls, path: str, reader: Any = None) -> Tokenizer:
         if reader is None:
             reader = GGUFFile(path)
-        kind = gguf_field(reader, "tokenizer.ggml.model")
         tokens: list[str] = list(gguf_field(reader, "tokenizer.ggml.tokens"))
-        types: list[int] = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-        if kind == "gpt2":
-            backend = _byte_level_bpe(reader, tokens)
-        elif kind == "llama":
-            backend = _sentencepiece_bpe(tokens, types,
-                                         bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True)))
-        else:
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE, "
-                             "'llama' SentencePiece)")
-        backend.add_special_tokens(
-            [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL])
-        # user-defined pieces are matched whole, except runs of spaces, which the SentencePiece merges build
-        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types)
-                            if t == _USER_DEFINED and backend.token_to_id(tokens[i]) == i])
+        backend = _cached_backend(reader, lambda: _gguf_backend(reader, tokens))
         architecture = str(gguf_field(reader, "general.architecture"))
 
         def token_id(key: str) -> int | None:
@@ -164,6 +154,45 @@ _PRE_TOKENIZER_REGEX = {
     "qwen2": _WORDS + r"\p{N}" + _REST,
     "llama-bpe": _WORDS + r"\p{N}{1,3}" + _REST,
 }
+
+
+def _gguf_backend(reader: Any, tokens: list[str]) -> HFTokenizer:
+    """The `tokenizers` model of a GGUF's vocabulary, with its control and user-defined tokens."""
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    types: list[int] = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    if kind == "gpt2":
+        backend = _byte_level_bpe(reader, tokens)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(tokens, types, bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True)))
+    else:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE, "
+                         "'llama' SentencePiece)")
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL])
+    # user-defined pieces are matched whole, except runs of spaces, which the SentencePiece merges build
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types)
+                        if t == _USER_DEFINED and backend.token_to_id(tokens[i]) == i])
+    return backend
+
+
+def _cached_backend(reader: Any, build: Callable[[], HFTokenizer]) -> HFTokenizer:
+    """`build()`, kept as tokenizer.json in the cache (keyed by every tokenizer field of the file and by this
+    module's code): converting a 262k-piece SentencePiece vocabulary takes seconds, reading it back a fraction,
+    and the front end and each engine core load it at every start."""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for key in sorted(k for k in reader.fields if k.startswith("tokenizer.ggml.")):
+        digest.update(key.encode() + b"\0" + repr(reader.fields[key]).encode() + b"\0")
+    path = cache_root() / "tokenizers" / f"{digest.hexdigest()[:24]}.json"
+    if path.exists():
+        with contextlib.suppress(Exception):  # a damaged entry is rebuilt
+            return HFTokenizer.from_file(str(path))
+    backend = build()
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next start its build
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            f.write(backend.to_str())
+        os.replace(f.name, path)  # atomic: concurrent starts never read a half-written file
+    return backend
 
 
 def _byte_level_bpe(reader: Any, tokens: list[str]) -> HFTokenizer:
