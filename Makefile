@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(BIN)/mypy tokenmill
 
 test: $(STAMP) lint
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/pytest -q -ra $(ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/pytest -q -ra --durations=25 $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_model.py

@@ -45,9 +45,10 @@ class Batch:
         query_lens, seq_lens = (np.array(column, np.int64) for column in zip(*seqs))
         return AttentionMetadata.build(query_lens, seq_lens, tables, np.array(slots, np.int64), self.block_size, CPU)
 
-    def run(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            window: int | None = None) -> torch.Tensor:
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, q.shape[-1] ** -0.5)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, q.shape[-1] ** -0.5, window)
 
 
 SHAPES = [
@@ -68,6 +69,21 @@ def test_native_attention_matches_the_torch_reference(heads, kv_heads, head_dim,
     monkeypatch.setattr(attention.kernels, "attention_supported", lambda *_: False)
     reference = batch.run(meta, batch.q, batch.k, batch.v)
     torch.testing.assert_close(native, reference, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "seqs"), SHAPES)
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_native_sliding_window_attention_matches_the_torch_reference(heads, kv_heads, head_dim, block_size,  # noqa: ANN001
+                                                                     seqs, window: int, monkeypatch) -> None:  # noqa: ANN001
+    """Windows smaller than, equal to and across blocks, over prompt chunks and decodes."""
+    batch = Batch(1, heads, kv_heads, head_dim, block_size, seqs)
+    meta = batch.meta()
+    native = batch.run(meta, batch.q, batch.k, batch.v, window)
+    monkeypatch.setattr(attention.kernels, "attention_supported", lambda *_: False)
+    reference = batch.run(meta, batch.q, batch.k, batch.v, window)
+    torch.testing.assert_close(native, reference, rtol=2e-5, atol=2e-5)
+    full = batch.run(meta, batch.q, batch.k, batch.v)
+    assert not torch.allclose(reference, full)  # the window changes the answer for these shapes
 
 
 @pytest.mark.skipif(not kernels.attention_bf16_available(), reason="no AVX-512: bf16 caches take the torch path")

@@ -80,7 +80,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 @functools.cache
 def _attention_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return _function("paged_attention", "paged_attention", [_PTR] * 7 + [_I64] * 8 + [_F32, _I64])
+    return _function("paged_attention", "paged_attention", [_PTR] * 7 + [_I64] * 8 + [_F32, _I64, _I64])
 
 
 @functools.cache
@@ -375,13 +375,14 @@ def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tens
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float) -> None:
+                    scale: float, window: int | None = None) -> None:
     """Causal attention of every query row over its sequence's cached keys (this step's K/V already written).
 
     Sequence s owns query rows query_start[s]..query_start[s+1] (its last q_len tokens) and has seq_lens[s]
     tokens of context after this step. out, query: [T, heads, head_dim] whose rows are contiguous (row strides
     may differ); caches contiguous in `model.attention.allocate_kv_cache`'s layout; query_start [S+1], seq_lens [S],
-    block_tables [S, max_blocks] int64 contiguous.
+    block_tables [S, max_blocks] int64 contiguous. `window` (sliding-window layers, float32 caches only): a row
+    at position p sees keys p - window + 1 .. p.
     """
     fn = _attention_fn()
     assert fn is not None, "check attention_supported() first"
@@ -390,10 +391,12 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         assert index.dtype == torch.int64 and index.is_contiguous()
     assert query.stride(2) == out.stride(2) == 1 and query.stride(1) == out.stride(1) == query.shape[2]
     heads, head_dim = query.shape[1], query.shape[2]
+    if window is not None and (window < 1 or k_cache.dtype != torch.float32):
+        raise ValueError("windowed native attention needs window >= 1 and float32 caches")
     fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), query_start.data_ptr(),
        seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], heads,
        k_cache.shape[1], head_dim, k_cache.shape[3], query.stride(0), out.stride(0), scale,
-       int(k_cache.dtype == torch.bfloat16))
+       int(k_cache.dtype == torch.bfloat16), window or 0)
 
 
 class DecoderLayerPointers(ctypes.Structure):

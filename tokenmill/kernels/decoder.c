@@ -36,7 +36,7 @@ void decoder_forward(const DecoderLayer *layers, int64_t num_layers, int64_t tok
         rope_and_cache(qkv, qkv_width, tokens, heads, kv_heads, head_dim, cos, sin, slots, block_size,
                        layer->k_cache, layer->v_cache, q, kv_bf16);
         paged_attention(attn, q, layer->k_cache, layer->v_cache, query_start, seq_lens, block_tables, num_seqs,
-                        max_blocks, heads, kv_heads, head_dim, block_size, q_width, q_width, scale, kv_bf16);
+                        max_blocks, heads, kv_heads, head_dim, block_size, q_width, q_width, scale, kv_bf16, 0);
         int8_linear_grouped(attn, tokens, q_width, q_width, layer->o, layer->o_scale, NULL, o, hidden);
         add_rms_norm(residual, o, hidden, layer->post_norm, eps, h, tokens, hidden);
         int8_linear_grouped(h, tokens, hidden, hidden, layer->gate_up, layer->gate_up_scale, NULL, gate_up,

@@ -205,13 +205,14 @@ static void attend_block16_bf16(float acc[][MAX_HEAD_DIM], float *m, float *l, f
 int paged_attention_bf16_available(void) { return 0; }
 #endif
 
-// One kv head's query rows (`n_rows`, in position order, from `active` on still seeing keys) over one block.
+// One kv head's query rows (in position order; rows active .. n_rows - 1 see keys in this block) over one
+// block. `lo` (sliding windows, else NULL): the first key each row sees.
 static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs,
-                         const int64_t *len, int64_t active, int64_t n_rows, int64_t b, const void *k_cache,
-                         const void *v_cache, int64_t offset, int64_t next_offset, int64_t head_dim,
-                         int64_t block_size, float scale, int64_t kv_bf16) {
+                         const int64_t *len, const int64_t *lo, int64_t active, int64_t n_rows, int64_t b,
+                         const void *k_cache, const void *v_cache, int64_t offset, int64_t next_offset,
+                         int64_t head_dim, int64_t block_size, float scale, int64_t kv_bf16) {
 #if defined(__AVX512F__)
-    if (block_size == 16 && head_dim % 64 == 0) {
+    if (block_size == 16 && head_dim % 64 == 0 && lo == NULL) {
         const int64_t elem = kv_bf16 ? 2 : 4;
         // blocks lie anywhere in the pool: fetch a later one's K and V while this one computes, which the
         // hardware prefetchers, working within a page, would not
@@ -229,9 +230,11 @@ static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[
     for (int64_t i = active; i < n_rows; ++i) {
         const int64_t left = len[i] - b * block_size;
         const int64_t n = left < block_size ? left : block_size;
+        const int64_t before = lo == NULL || lo[i] <= b * block_size ? 0 : lo[i] - b * block_size;
         float *si = s[i];
         float block_max = m[i];
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = 0; t < before; ++t) si[t] = -INFINITY;  // outside the window: weight exp(-inf) = 0
+        for (int64_t t = before; t < n; ++t) {
             si[t] *= scale;
             block_max = si[t] > block_max ? si[t] : block_max;
         }
@@ -262,7 +265,8 @@ void paged_attention(
     const int64_t *block_tables,  // [num_seqs, max_blocks]
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t q_row_stride, int64_t row_stride, float scale,
-    int64_t kv_bf16) {                // 1: bf16 caches (only with paged_attention_bf16_available and blocks of 16)
+    int64_t kv_bf16,                  // 1: bf16 caches (only with paged_attention_bf16_available and blocks of 16)
+    int64_t window) {                 // > 0: a row at position p sees keys p - window + 1 .. p (float32 caches)
     const int64_t group = num_heads / num_kv_heads;
     const int64_t head_block = head_dim * block_size;  // elements of one kv head in one block
     // Tasks: (sequence, tile of its query rows, kv heads). A sequence whose rows all fit in one tile (decodes)
@@ -297,7 +301,7 @@ void paged_attention(
         const int64_t n_rows = rows * group;  // query rows of one kv head: rows x the heads sharing it
         const int64_t *table = block_tables + seq * max_blocks;
         float acc[MAX_TILE][MAX_HEAD_DIM], m[MAX_TILE], l[MAX_TILE], s[MAX_TILE][MAX_BLOCK];
-        int64_t len[MAX_TILE];
+        int64_t len[MAX_TILE], lo[MAX_TILE];
         const float *qs[MAX_TILE];
         // row i = (kv head h of this task, row r, head g of its group): each kv head's rows are contiguous
         for (int64_t h = 0; h < heads; ++h)
@@ -306,20 +310,24 @@ void paged_attention(
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t i = h * n_rows + r * group + g;
                     len[i] = seq_lens[seq] - q_len + first + r + 1;  // causal: keys up to this row's position
+                    lo[i] = window > 0 && len[i] > window ? len[i] - window : 0;
                     qs[i] = q + row * q_row_stride + ((first_head + h) * group + g) * head_dim;
                     m[i] = -INFINITY;
                     l[i] = 0.0f;
                     memset(acc[i], 0, sizeof(float) * head_dim);
                 }
             }
-        for (int64_t b = 0; b * block_size < len[n_rows - 1]; ++b) {
-            // rows are in position order: the ones that still see keys in this block form a suffix
-            int64_t active = 0;
+        for (int64_t b = lo[0] / block_size; b * block_size < len[n_rows - 1]; ++b) {
+            // rows are in position order: the ones that see keys in this block form a run (a suffix without
+            // windows; with one, the rows whose window starts past the block end it)
+            int64_t active = 0, end = n_rows;
             while (len[active] <= b * block_size) ++active;
+            while (window > 0 && lo[end - 1] >= (b + 1) * block_size) --end;
             const int64_t ahead = (b + PREFETCH_BLOCKS) * block_size < len[n_rows - 1] ? table[b + PREFETCH_BLOCKS] : -1;
             for (int64_t h = 0; h < heads; ++h) {
                 const int64_t kvh = first_head + h, i = h * n_rows;
-                attend_block(acc + i, m + i, l + i, s + i, qs + i, len + i, active, n_rows, b, k_cache, v_cache,
+                attend_block(acc + i, m + i, l + i, s + i, qs + i, len + i, window > 0 ? lo + i : NULL, active, end,
+                             b, k_cache, v_cache,
                              (table[b] * num_kv_heads + kvh) * head_block,
                              ahead < 0 ? -1 : (ahead * num_kv_heads + kvh) * head_block, head_dim, block_size, scale,
                              kv_bf16);

@@ -146,11 +146,12 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """`window`: a query at position p sees keys p - window + 1 .. p (sliding-window layers); the native kernel
-    attends full contexts only, so windowed layers take the torch path."""
+    """`window`: a query at position p sees keys p - window + 1 .. p (sliding-window layers; the native kernel
+    takes them over float32 caches)."""
     out = torch.empty_like(q)
-    if window is None and kernels.attention_supported(q, q.shape[1], k_cache):
-        kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, scale)
+    if native_attention(q, k_cache, window):
+        kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, scale,
+                                window)
         return out
     split = meta.reference
     if split.decode_rows.numel():
@@ -172,6 +173,11 @@ def paged_attention(
                                                   attn_mask=mask, scale=scale, enable_gqa=True)
         out[p.start:p.end] = attn[0].transpose(0, 1)
     return out
+
+
+def native_attention(q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> bool:
+    """Whether the native kernel attends these queries (windowed layers: over float32 caches only)."""
+    return kernels.attention_supported(q, q.shape[1], k_cache) and (window is None or k_cache.dtype == torch.float32)
 
 
 def _window_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:

@@ -92,14 +92,14 @@ class Attention(nn.Module):
             self._norm_heads(qkv)
         k_cache, v_cache = self.kv_cache
         cos, sin = rope
-        native = (self.window is None and kernels.layer_ops_supported(qkv)
-                  and kernels.attention_supported(qkv, self.num_heads, k_cache))
+        native = (kernels.layer_ops_supported(qkv) and kernels.attention_supported(qkv, self.num_heads, k_cache)
+                  and (self.window is None or k_cache.dtype == torch.float32))
         if native:
             q = kernels.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
                                        k_cache, v_cache)
             out = torch.empty_like(q)
             kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables,
-                                    self.scale)
+                                    self.scale, self.window)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(tokens, self.num_heads, self.head_dim)
