@@ -234,3 +234,30 @@ def test_grouped_int8_linear_matches_its_torch_reference(rows: int, k: int, n: i
     # exact integer sums and per-row scales: a row's output is the same alone or in any batch
     for r in (0, rows - 1, rows // 2):
         assert torch.equal(layer(x[r:r + 1]), out[r:r + 1])
+
+
+def test_gguf_blocks_executed_as_stored_match_their_dequantized_product() -> None:
+    """Every format the gguf_matmul kernel executes: its output is the float64 product of the dequantized
+    weights with the int8-quantized activations (rounding only), the same for a token alone or at any place in
+    a batch, and reordered rows (row_index) give the same rows."""
+    from gguf.quants import dequantize
+
+    from tests.test_loader import _blocks_of_every_type
+
+    executed = [b for b in _blocks_of_every_type() if kernels.gguf_matmul_supported(int(b[0]), b[3])]
+    if not kernels.int8_grouped_available():
+        pytest.skip("no AVX2: GGUF layers run the int8 backend")
+    assert {t.name for t, *_ in executed} == {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    gen = torch.Generator().manual_seed(3)
+    for kind, data, rows, cols in executed:
+        weight = torch.from_numpy(np.asarray(dequantize(data, kind), dtype=np.float32).reshape(rows, cols))
+        x = torch.randn(7, cols, generator=gen)
+        q, scales, _ = kernels.quantize_groups(x)
+        activations = (q.double().reshape(7, -1, 32) * scales.double().reshape(7, -1, 1)).reshape(7, cols)
+        expected = activations @ weight.double().T
+        got = kernels.gguf_matmul(x, data, int(kind), rows)
+        assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-5, kind
+        for t in range(7):  # tokens in and out of the 4-token tiles, alone
+            assert torch.equal(kernels.gguf_matmul(x[t:t + 1], data, int(kind), rows)[0], got[t]), kind
+        order = torch.randperm(rows, generator=gen)
+        assert torch.equal(kernels.gguf_matmul(x, data, int(kind), rows, row_index=order), got[:, order]), kind

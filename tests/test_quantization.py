@@ -29,7 +29,7 @@ from tokenmill.model.quant import (
 from tokenmill.platform import cpu_flags
 from tokenmill.sampling_params import SamplingParams
 
-MODES = ["int8", "bf16"]
+MODES = ["int8", "bf16", "gguf"]  # gguf: the bundled file's Q4_1/Q8_0 blocks executed as stored
 CONTINUATION = 48
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 

@@ -83,28 +83,37 @@ def test_float32_greedy_matches_transformers(real: Path, hf: tuple[Any, Any], fl
     assert exact >= len(PROMPTS) - 1, f"only {exact}/{len(PROMPTS)} prompts exact"
 
 
-def test_int8_quality_gate(real: Path, float_llm: LLM, float_outputs: list[Any]) -> None:
-    """Teacher-forced top-1 agreement with float32 >= 97% over the prompts and their float32 continuations,
-    perplexity of those sequences within +2%."""
+QUANTIZED = ("int8", "gguf")  # gguf: the file's blocks executed as stored
+
+
+def test_quantized_quality_gate(real: Path, float_llm: LLM, float_outputs: list[Any]) -> None:
+    """int8 and the file's own blocks (gguf): teacher-forced top-1 agreement with float32 >= 97% over the
+    prompts and their float32 continuations, perplexity of those sequences within +2%."""
     sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in float_outputs]
     loaded = load_model(str(real))
     float_runner = float_llm.engine.core.executor
     assert isinstance(float_runner, ModelRunner)
-    runners = {"none": float_runner,
-               "int8": ModelRunner(EngineConfig(num_kv_blocks=64, quantization="int8"), loaded.config, loaded.weights)}
-    agree = total = 0
-    nll = {"none": 0.0, "int8": 0.0}
+    runners = {"none": float_runner} | {
+        mode: ModelRunner(EngineConfig(num_kv_blocks=64, quantization=mode), loaded.config, loaded.weights)
+        for mode in QUANTIZED}
+    agree = dict.fromkeys(QUANTIZED, 0)
+    total = 0
+    nll = dict.fromkeys(runners, 0.0)
     for ids in sequences:
         logits = {mode: runner.prompt_logits(ids).float() for mode, runner in runners.items()}
-        agree += int((logits["none"].argmax(-1) == logits["int8"].argmax(-1)).sum())
+        for mode in QUANTIZED:
+            agree[mode] += int((logits["none"].argmax(-1) == logits[mode].argmax(-1)).sum())
         total += len(ids)
         target = torch.tensor(ids[1:])
         for mode, value in logits.items():
             nll[mode] += float(torch.nn.functional.cross_entropy(value[:-1], target, reduction="sum"))
     ppl = {mode: math.exp(value / (total - len(sequences))) for mode, value in nll.items()}
-    print(f"{real.name}: int8 top-1 agreement {agree / total:.4f} over {total}; perplexity {ppl}")
-    assert total > 700 and agree / total >= 0.97
-    assert ppl["int8"] <= ppl["none"] * 1.02
+    print(f"{real.name}: top-1 agreement { {m: round(a / total, 4) for m, a in agree.items()} } over {total}; "
+          f"perplexity {ppl}")
+    assert total > 700
+    for mode in QUANTIZED:
+        assert agree[mode] / total >= 0.97, mode
+        assert ppl[mode] <= ppl["none"] * 1.02, mode
 
 
 def test_chat_through_the_server(real: Path) -> None:

@@ -20,8 +20,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template file (or the template itself) instead of the model's")
     g.add_argument("--device", default=defaults.device)
     g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--quantization", "-q", default=defaults.quantization, choices=["auto", "none", "int8", "bf16"],
-                   help="linear-layer weights: auto = fastest this CPU supports; none = float32, exact")
+    g.add_argument("--quantization", "-q", default=defaults.quantization,
+                   choices=["auto", "none", "int8", "bf16", "gguf"],
+                   help="linear-layer weights: auto = fastest this CPU supports; none = float32, exact; "
+                        "gguf = a GGUF file's quantized blocks executed as stored")
     g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                    help="KV cache elements: auto = bfloat16 with quantized linears on CPUs whose attention kernel "
                         "reads it, else the model's dtype")

@@ -147,8 +147,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.quantization not in ("auto", "none", "int8", "bf16"):
-            raise ValueError(f"quantization must be auto, none, int8 or bf16, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "bf16", "gguf"):
+            raise ValueError(f"quantization must be auto, none, int8, bf16 or gguf, got {self.quantization!r}")
         if self.kv_role not in (None, "producer", "consumer"):
             raise ValueError(f"kv_role must be producer or consumer, got {self.kv_role!r}")
         if self.kv_transport not in ("shm", "tcp"):

@@ -300,6 +300,49 @@ def gguf_gather_rows(data: np.ndarray, tensor_type: int, rows: int, cols: int, i
     return out
 
 
+@functools.cache
+def _gguf_matmul_fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+    lib = load_library("gguf_matmul")
+    if lib is None or not lib.gguf_matmul_available() or _grouped_fns() is None:
+        return None
+    supports = lib.gguf_matmul_supports
+    supports.argtypes, supports.restype = [ctypes.c_int], ctypes.c_int
+    matmul = _function("gguf_matmul", "gguf_matmul", [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64,
+                                                      _PTR, _PTR, _I64, _PTR])
+    assert matmul is not None
+    return supports, matmul
+
+
+def gguf_matmul_supported(tensor_type: int, cols: int) -> bool:
+    """Whether gguf_matmul.c executes rows of `cols` values of this GGML type as stored (AVX2 hosts)."""
+    fns = _gguf_matmul_fns()
+    return fns is not None and bool(fns[0](tensor_type)) and gguf_decodable(tensor_type, cols)
+
+
+def gguf_matmul(x: torch.Tensor, data: np.ndarray, tensor_type: int, rows: int, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, row_index: torch.Tensor | None = None,
+                quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [tokens, k] float32 @ W.T for W [rows, k] in the GGUF blocks `data` (bytes [rows, row bytes], e.g. a
+    view into the file's map): activations quantized per group of 32 (quantize_groups, or `quantized`, its
+    result, shared by the parts of a fused layer), integer dots per block. `row_index` [n] (int64): output j is
+    stored row row_index[j] (default: n = rows, in order). `out`: a [tokens, >= n] float32 view with contiguous
+    rows to write into, e.g. a fused output's columns."""
+    fns = _gguf_matmul_fns()
+    assert fns is not None
+    tokens, k = x.shape
+    q, scales, corr = quantize_groups(x) if quantized is None else quantized
+    n = rows if row_index is None else row_index.numel()
+    if out is None:
+        out = torch.empty(tokens, n, dtype=torch.float32)
+    assert out.stride(1) == 1 and out.shape[0] == tokens and out.shape[1] >= n
+    if row_index is not None:
+        assert row_index.dtype == torch.int64 and row_index.is_contiguous()
+    fns[1](tensor_type, _gguf_source(data, tensor_type, rows, k), n, k, q.data_ptr(), scales.data_ptr(),
+           corr.data_ptr(), tokens, 0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+           0 if row_index is None else row_index.data_ptr())
+    return out
+
+
 def prepare() -> str:
     """Build every kernel now (at start-up, not in the first request's step); returns a line for the log."""
     ready = {

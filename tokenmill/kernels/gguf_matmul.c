@@ -1,0 +1,217 @@
+/* Linear layers over GGUF weights executed as the file stores them: y[t, j] = sum_k W[j, k] x[t, k] with W in
+ * its quantized blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) and x quantized to int8 per group of 32 with
+ * one float scale (int8_rows.c's quantize_groups, as llama.cpp's q8 activations). Per block, integer dot
+ * products of the weights' small integers with the activations' (AVX2 maddubs: unsigned weight levels, signed
+ * activations), then float: the block's weight scale x the activation scale; the formats' offsets (Q4_0's -8,
+ * Q6_K's -32) and mins (Q4_1, Q4_K, Q5_K) go through each group's activation sum.
+ *
+ * A row's result depends only on that row and the weights, accumulated in a fixed order (8 float lanes, then a
+ * fixed reduction), so it is the same whatever the batch. Output rows are spread over the threads.
+ *
+ * AVX2 with FMA only (gguf_matmul_available() says); elsewhere the model keeps the int8 backend.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "gguf_blocks.c"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+int gguf_matmul_available(void) { return 1; }
+
+static inline float hsum8_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// 32 unsigned weight levels (< 128) x 32 signed activations -> 8 int32 partial sums
+static inline __m256i dot_u8s8(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+static inline __m256i load_x(const int8_t *x) { return _mm256_loadu_si256((const __m256i *)x); }
+
+// 16 bytes of nibbles -> 32 levels: the low nibbles first (values 0-15), then the high ones (16-31)
+static inline __m256i nibbles_32(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+
+// Q5_0's 32 fifth bits (little-endian u32) -> 0x10 in the bytes whose bit is set
+static inline __m256i fifth_bits_32(const uint8_t *qh) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+static inline float h2f(const uint8_t *p) {
+#if defined(__F16C__)
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);  // exact, as half_to_float
+#else
+    return half_to_float(p);
+#endif
+}
+
+#define TILE 4  // tokens per pass over a row: each block's weights are decoded once for all of them
+
+/* One weight row against TILE tokens' activations (xq [k] int8, xd [k/32] scales, xs [k/32] = 128 x sums);
+ * each token's sum runs in its own accumulators, in the same order whatever the other tokens. */
+static inline __attribute__((always_inline)) void dot_row(
+    int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd, const int32_t *const *xs,
+    float *y, const int tile) {
+    __m256 acc[TILE];
+    float offsets[TILE];  // tile <= TILE tokens  // the formats' offset and min terms, through the groups' activation sums
+    for (int u = 0; u < tile; u++) acc[u] = _mm256_setzero_ps(), offsets[u] = 0.0f;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    switch (type) {
+    case T_Q8_0:
+        for (int64_t g = 0; g < k / 32; g++, w += 34) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2)), aq = _mm256_sign_epi8(q, q);
+            const float d = h2f(w);
+            for (int u = 0; u < tile; u++) {
+                // signed x signed through maddubs: |w| against x carrying w's sign
+                const __m256i p = dot_u8s8(aq, _mm256_sign_epi8(load_x(xq[u] + 32 * g), q));
+                acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[u][g]), acc[u]);
+            }
+        }
+        break;
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: {
+        const int64_t size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 22;
+        const float offset = type == T_Q4_0 ? -8.0f : -16.0f;
+        for (int64_t g = 0; g < k / 32; g++, w += size) {
+            __m256i q = nibbles_32(w + size - 16);
+            if (type == T_Q5_0) q = _mm256_or_si256(q, fifth_bits_32(w + 2));
+            const float dw = h2f(w), m = type == T_Q4_1 ? h2f(w + 2) : 0.0f;
+            for (int u = 0; u < tile; u++) {
+                const float d = dw * xd[u][g], sum = (float)(xs[u][g] / 128);
+                acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, load_x(xq[u] + 32 * g))), _mm256_set1_ps(d),
+                                         acc[u]);
+                // w = d (q - 8), d (q - 16) or d q + m
+                offsets[u] += type == T_Q4_1 ? m * xd[u][g] * sum : offset * d * sum;
+            }
+        }
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const int five = type == T_Q5_K;
+        const int64_t size = five ? 176 : 144;
+        for (int64_t b = 0; b < k / 256; b++, w += size) {
+            const float d = h2f(w), dmin = h2f(w + 2);
+            const uint8_t *qs = w + (five ? 48 : 16);
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+            for (int pair = 0; pair < 4; pair++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * pair));
+                for (int half = 0; half < 2; half++) {
+                    const int j = 2 * pair + half;
+                    const int64_t g = 8 * b + j;
+                    __m256i q = half ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4) : _mm256_and_si256(v, low4);
+                    if (five)
+                        q = _mm256_or_si256(q, _mm256_slli_epi16(
+                            _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+                    uint8_t sc, mn;
+                    scale_min_k4(w + 4, j, &sc, &mn);
+                    const float ds = d * (float)sc, dm = dmin * (float)mn;
+                    for (int u = 0; u < tile; u++) {
+                        const __m256i p = dot_u8s8(q, load_x(xq[u] + 32 * g));
+                        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds * xd[u][g]), acc[u]);
+                        offsets[u] -= dm * xd[u][g] * (float)(xs[u][g] / 128);
+                    }
+                }
+            }
+        }
+        break;
+    }
+    case T_Q6_K:
+        for (int64_t b = 0; b < k / 256; b++, w += 210) {
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *scales = (const int8_t *)(w + 192);
+            const float d = h2f(w + 208);
+            for (int half = 0; half < 2; half++) {
+                const __m256i la = _mm256_loadu_si256((const __m256i *)(ql + 64 * half));
+                const __m256i lb = _mm256_loadu_si256((const __m256i *)(ql + 64 * half + 32));
+                const __m256i hv = _mm256_loadu_si256((const __m256i *)(qh + 32 * half));
+                for (int quarter = 0; quarter < 4; quarter++) {
+                    const __m256i l = quarter % 2 ? lb : la;
+                    const __m256i low = _mm256_and_si256(quarter < 2 ? l : _mm256_srli_epi16(l, 4), low4);
+                    const __m256i high = _mm256_slli_epi16(
+                        _mm256_and_si256(_mm256_srli_epi16(hv, 2 * quarter), _mm256_set1_epi8(3)), 4);
+                    const __m256i levels = _mm256_or_si256(low, high);
+                    const int64_t g = 8 * b + 4 * half + quarter;  // the activation group (32 values)
+                    const int8_t *s = scales + 8 * half + 2 * quarter;  // its two weight groups of 16
+                    const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(s[1]), _mm_set1_epi16(s[0]));
+                    for (int u = 0; u < tile; u++) {
+                        const __m256i x = load_x(xq[u] + 32 * g);
+                        // levels 0..63 minus 32, through the groups' activation sums (in int32: exact)
+                        const __m256i p = _mm256_sub_epi32(
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(levels, x), sc),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(32), x), sc));
+                        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[u][g]), acc[u]);
+                    }
+                }
+            }
+        }
+        break;
+    }
+    for (int u = 0; u < tile; u++) y[u] = hsum8_ps(acc[u]) + offsets[u];
+}
+
+// the one-token and the full-tile variants (a token's arithmetic is the same in both)
+static void dot_row_1(int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd,
+                      const int32_t *const *xs, float *y) {
+    dot_row(type, w, k, xq, xd, xs, y, 1);
+}
+
+static void dot_row_tile(int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd,
+                         const int32_t *const *xs, float *y) {
+    dot_row(type, w, k, xq, xd, xs, y, TILE);
+}
+
+int gguf_matmul_supports(int type) {
+    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q4_K ||
+           type == T_Q5_K || type == T_Q6_K;
+}
+
+/* out[t * out_stride + j] = W[row(j)] . x[t] (+ bias[j]) for W in `type`'s blocks (rows of k values, contiguous),
+ * row(j) = row_index[j] or j; xq/xd/xs: quantize_groups' outputs for x [tokens, k]. */
+void gguf_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xd,
+                 const int32_t *xs, int64_t tokens, const float *bias, float *out, int64_t out_stride,
+                 const int64_t *row_index) {
+    const int64_t row_bytes = gguf_row_bytes(type, k), groups = k / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t j0 = 0; j0 < n; j0 += 16)
+        for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
+            const int8_t *x[TILE];
+            const float *d[TILE];
+            const int32_t *sums[TILE];
+            for (int u = 0; u < TILE; u++) {  // a short last tile repeats its last token (results unused)
+                const int64_t t = t0 + u < tokens ? t0 + u : tokens - 1;
+                x[u] = xq + t * k, d[u] = xd + t * groups, sums[u] = xs + t * groups;
+            }
+            for (int64_t j = j0; j < n && j < j0 + 16; j++) {
+                float y[TILE];
+                const uint8_t *row = w + (row_index ? row_index[j] : j) * row_bytes;
+                (tokens - t0 == 1 ? dot_row_1 : dot_row_tile)(type, row, k, x, d, sums, y);
+                for (int u = 0; u < TILE && t0 + u < tokens; u++)
+                    out[(t0 + u) * out_stride + j] = bias ? y[u] + bias[j] : y[u];
+            }
+        }
+}
+#else
+int gguf_matmul_available(void) { return 0; }
+int gguf_matmul_supports(int type) { (void)type; return 0; }
+void gguf_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xd,
+                 const int32_t *xs, int64_t tokens, const float *bias, float *out, int64_t out_stride,
+                 const int64_t *row_index) {
+    (void)type, (void)w, (void)n, (void)k, (void)xq, (void)xd, (void)xs, (void)tokens, (void)bias, (void)out,
+        (void)out_stride, (void)row_index;
+}
+#endif
