@@ -32,6 +32,8 @@ from tests.real_models import REAL_MODELS, cache_dir  # noqa: E402
 
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill-peers"))
 LLAMA_SERVER = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
+# auto (int8 here), and the file's blocks executed as stored
+TOKENMILL_MODES = ("auto", "gguf")
 
 
 def tree_rss(proc: psutil.Process) -> int:
@@ -70,9 +72,9 @@ def start_to_ready(command: list[str], url: str, model_id: str | None) -> tuple[
         proc.wait(timeout=60)
 
 
-def tokenmill_command(model: str, port: int) -> list[str]:
+def tokenmill_command(model: str, port: int, quantization: str) -> list[str]:
     return [sys.executable, "-m", "tokenmill.cli", "serve", model, "--port", str(port), "--log-level", "warning",
-            "--disable-log-stats"]
+            "--disable-log-stats", "--quantization", quantization]
 
 
 def llamacpp_command(model: str, port: int) -> list[str]:
@@ -90,11 +92,13 @@ def main() -> None:
     rows: list[list[object]] = []
     for path in files:
         size = os.path.getsize(path) / 1e9
-        results: dict[str, list[tuple[float, float]]] = {"tokenmill": [], "llama.cpp": []}
+        results: dict[str, list[tuple[float, float]]] = {f"tokenmill -q {mode}": [] for mode in TOKENMILL_MODES}
+        results["llama.cpp"] = []
         for _ in range(args.runs):  # alternate the servers: the host drifts between runs
-            port = free_port()
-            results["tokenmill"].append(start_to_ready(tokenmill_command(path, port), f"http://127.0.0.1:{port}",
-                                                       None))
+            for mode in TOKENMILL_MODES:
+                port = free_port()
+                results[f"tokenmill -q {mode}"].append(start_to_ready(tokenmill_command(path, port, mode),
+                                                                      f"http://127.0.0.1:{port}", None))
             if LLAMA_SERVER.exists():
                 port = free_port()
                 results["llama.cpp"].append(start_to_ready(llamacpp_command(path, port),

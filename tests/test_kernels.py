@@ -255,9 +255,13 @@ def test_gguf_blocks_executed_as_stored_match_their_dequantized_product() -> Non
         q, scales, _ = kernels.quantize_groups(x)
         activations = (q.double().reshape(7, -1, 32) * scales.double().reshape(7, -1, 1)).reshape(7, cols)
         expected = activations @ weight.double().T
-        got = kernels.gguf_matmul(x, data, int(kind), rows)
+        plan = kernels.GGUFMatmulPlan([(data, int(kind), rows, None)], cols)
+        got = kernels.gguf_matmul(x, plan)
         assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-5, kind
         for t in range(7):  # tokens in and out of the 4-token tiles, alone
-            assert torch.equal(kernels.gguf_matmul(x[t:t + 1], data, int(kind), rows)[0], got[t]), kind
+            assert torch.equal(kernels.gguf_matmul(x[t:t + 1].contiguous(), plan)[0], got[t]), kind
+        # stacked with itself, the second copy's rows reordered (a fused projection), with a bias
         order = torch.randperm(rows, generator=gen)
-        assert torch.equal(kernels.gguf_matmul(x, data, int(kind), rows, row_index=order), got[:, order]), kind
+        bias = torch.randn(2 * rows, generator=gen)
+        fused = kernels.GGUFMatmulPlan([(data, int(kind), rows, None), (data, int(kind), rows, order)], cols)
+        assert torch.equal(kernels.gguf_matmul(x, fused, bias), torch.cat([got, got[:, order]], dim=1) + bias), kind

@@ -307,8 +307,8 @@ def _gguf_matmul_fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # t
         return None
     supports = lib.gguf_matmul_supports
     supports.argtypes, supports.restype = [ctypes.c_int], ctypes.c_int
-    matmul = _function("gguf_matmul", "gguf_matmul", [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64,
-                                                      _PTR, _PTR, _I64, _PTR])
+    matmul = _function("gguf_matmul", "gguf_matmul", [_I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                                      _PTR, _PTR, _I64])
     assert matmul is not None
     return supports, matmul
 
@@ -319,27 +319,36 @@ def gguf_matmul_supported(tensor_type: int, cols: int) -> bool:
     return fns is not None and bool(fns[0](tensor_type)) and gguf_decodable(tensor_type, cols)
 
 
-def gguf_matmul(x: torch.Tensor, data: np.ndarray, tensor_type: int, rows: int, bias: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, row_index: torch.Tensor | None = None,
-                quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x [tokens, k] float32 @ W.T for W [rows, k] in the GGUF blocks `data` (bytes [rows, row bytes], e.g. a
-    view into the file's map): activations quantized per group of 32 (quantize_groups, or `quantized`, its
-    result, shared by the parts of a fused layer), integer dots per block. `row_index` [n] (int64): output j is
-    stored row row_index[j] (default: n = rows, in order). `out`: a [tokens, >= n] float32 view with contiguous
-    rows to write into, e.g. a fused output's columns."""
+class GGUFMatmulPlan:
+    """The stacked GGUF tensors of one linear layer, as gguf_matmul.c reads them (built once, at load): a step
+    then costs one quantize_groups call and one kernel call."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, int, int, torch.Tensor | None]], cols: int) -> None:
+        # parts: (bytes [rows, row bytes], GGML type, rows, row_index (int64) or None), stacked in order
+        count = len(parts)
+        for data, tensor_type, rows, order in parts:
+            _gguf_source(data, tensor_type, rows, cols)  # checks the bytes
+            if order is not None:
+                assert order.dtype == torch.int64 and order.is_contiguous() and order.numel() == rows
+        self.cols, self.outputs = cols, sum(rows for _, _, rows, _ in parts)
+        self._keep = [(data, order) for data, _, _, order in parts]  # the arrays the addresses point into
+        self.types = (ctypes.c_int * count)(*(t for _, t, _, _ in parts))
+        self.weights = (ctypes.c_void_p * count)(*(int(d.ctypes.data) for d, _, _, _ in parts))
+        self.rows = (ctypes.c_int64 * count)(*(r for _, _, r, _ in parts))
+        self.row_index = (ctypes.c_void_p * count)(*(0 if o is None else o.data_ptr() for _, _, _, o in parts))
+        self.count = count
+
+
+def gguf_matmul(x: torch.Tensor, plan: GGUFMatmulPlan, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [tokens, k] float32 @ W.T, W the plan's stacked GGUF tensors executed as stored: activations quantized
+    per group of 32 (quantize_groups), integer dots per block (kernels/gguf_matmul.c)."""
     fns = _gguf_matmul_fns()
-    assert fns is not None
-    tokens, k = x.shape
-    q, scales, corr = quantize_groups(x) if quantized is None else quantized
-    n = rows if row_index is None else row_index.numel()
-    if out is None:
-        out = torch.empty(tokens, n, dtype=torch.float32)
-    assert out.stride(1) == 1 and out.shape[0] == tokens and out.shape[1] >= n
-    if row_index is not None:
-        assert row_index.dtype == torch.int64 and row_index.is_contiguous()
-    fns[1](tensor_type, _gguf_source(data, tensor_type, rows, k), n, k, q.data_ptr(), scales.data_ptr(),
-           corr.data_ptr(), tokens, 0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-           0 if row_index is None else row_index.data_ptr())
+    assert fns is not None and x.shape[1] == plan.cols and x.is_contiguous()
+    q, scales, corr = quantize_groups(x)
+    out = torch.empty(x.shape[0], plan.outputs, dtype=torch.float32)
+    fns[1](plan.count, plan.types, plan.weights, plan.rows, plan.row_index, plan.cols, q.data_ptr(),
+           scales.data_ptr(), corr.data_ptr(), x.shape[0], 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+           out.stride(0))
     return out
 
 

@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gguf_blocks.c"
@@ -63,10 +64,11 @@ static inline float h2f(const uint8_t *p) {
 
 #define TILE 4  // tokens per pass over a row: each block's weights are decoded once for all of them
 
-/* One weight row against TILE tokens' activations (xq [k] int8, xd [k/32] scales, xs [k/32] = 128 x sums);
- * each token's sum runs in its own accumulators, in the same order whatever the other tokens. */
+/* One weight row against TILE tokens' activations (xq [k] int8, xd [k/32] scales, xs [k/32]: each group's sum
+ * of activations, dequantized); each token's sum runs in its own accumulators, in the same order whatever the
+ * other tokens. */
 static inline __attribute__((always_inline)) void dot_row(
-    int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd, const int32_t *const *xs,
+    int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd, const float *const *xs,
     float *y, const int tile) {
     __m256 acc[TILE];
     float offsets[TILE];  // tile <= TILE tokens  // the formats' offset and min terms, through the groups' activation sums
@@ -92,11 +94,10 @@ static inline __attribute__((always_inline)) void dot_row(
             if (type == T_Q5_0) q = _mm256_or_si256(q, fifth_bits_32(w + 2));
             const float dw = h2f(w), m = type == T_Q4_1 ? h2f(w + 2) : 0.0f;
             for (int u = 0; u < tile; u++) {
-                const float d = dw * xd[u][g], sum = (float)(xs[u][g] / 128);
-                acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, load_x(xq[u] + 32 * g))), _mm256_set1_ps(d),
-                                         acc[u]);
+                acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, load_x(xq[u] + 32 * g))),
+                                         _mm256_set1_ps(dw * xd[u][g]), acc[u]);
                 // w = d (q - 8), d (q - 16) or d q + m
-                offsets[u] += type == T_Q4_1 ? m * xd[u][g] * sum : offset * d * sum;
+                offsets[u] += (type == T_Q4_1 ? m : offset * dw) * xs[u][g];
             }
         }
         break;
@@ -123,7 +124,7 @@ static inline __attribute__((always_inline)) void dot_row(
                     for (int u = 0; u < tile; u++) {
                         const __m256i p = dot_u8s8(q, load_x(xq[u] + 32 * g));
                         acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds * xd[u][g]), acc[u]);
-                        offsets[u] -= dm * xd[u][g] * (float)(xs[u][g] / 128);
+                        offsets[u] -= dm * xs[u][g];
                     }
                 }
             }
@@ -166,12 +167,12 @@ static inline __attribute__((always_inline)) void dot_row(
 
 // the one-token and the full-tile variants (a token's arithmetic is the same in both)
 static void dot_row_1(int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd,
-                      const int32_t *const *xs, float *y) {
+                      const float *const *xs, float *y) {
     dot_row(type, w, k, xq, xd, xs, y, 1);
 }
 
 static void dot_row_tile(int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd,
-                         const int32_t *const *xs, float *y) {
+                         const float *const *xs, float *y) {
     dot_row(type, w, k, xq, xd, xs, y, TILE);
 }
 
@@ -180,38 +181,47 @@ int gguf_matmul_supports(int type) {
            type == T_Q5_K || type == T_Q6_K;
 }
 
-/* out[t * out_stride + j] = W[row(j)] . x[t] (+ bias[j]) for W in `type`'s blocks (rows of k values, contiguous),
- * row(j) = row_index[j] or j; xq/xd/xs: quantize_groups' outputs for x [tokens, k]. */
-void gguf_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xd,
-                 const int32_t *xs, int64_t tokens, const float *bias, float *out, int64_t out_stride,
-                 const int64_t *row_index) {
-    const int64_t row_bytes = gguf_row_bytes(type, k), groups = k / 32;
+/* out[t * out_stride + j] = W[row(j)] . x[t] (+ bias[j]) for the outputs j of `parts` stacked tensors (a fused
+ * projection: q, k, v): part p has rows[p] outputs, its blocks of `types[p]` at weights[p] (rows of k values,
+ * contiguous) and row(j) = row_index[p][j] (NULL: in order). xq/xd/xs: quantize_groups' outputs for x [tokens, k]. */
+void gguf_matmul(int64_t parts, const int *types, const uint8_t *const *weights, const int64_t *rows,
+                 const int64_t *const *row_index, int64_t k, const int8_t *xq, const float *xd, const int32_t *xs,
+                 int64_t tokens, const float *bias, float *out, int64_t out_stride) {
+    const int64_t groups = k / 32;
+    int64_t n = 0;
+    for (int64_t p = 0; p < parts; p++) n += rows[p];
+    float *sums_f = malloc(sizeof(float) * (size_t)(tokens * groups));  // each group's activation sum, as a float
+    for (int64_t i = 0; i < tokens * groups; i++) sums_f[i] = xd[i] * (float)(xs[i] / 128);
 #pragma omp parallel for schedule(static)
     for (int64_t j0 = 0; j0 < n; j0 += 16)
         for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
             const int8_t *x[TILE];
             const float *d[TILE];
-            const int32_t *sums[TILE];
+            const float *sums[TILE];
             for (int u = 0; u < TILE; u++) {  // a short last tile repeats its last token (results unused)
                 const int64_t t = t0 + u < tokens ? t0 + u : tokens - 1;
-                x[u] = xq + t * k, d[u] = xd + t * groups, sums[u] = xs + t * groups;
+                x[u] = xq + t * k, d[u] = xd + t * groups, sums[u] = sums_f + t * groups;
             }
             for (int64_t j = j0; j < n && j < j0 + 16; j++) {
+                int64_t p = 0, local = j;
+                while (local >= rows[p]) local -= rows[p++];
+                const int64_t stored = row_index && row_index[p] ? row_index[p][local] : local;
+                const uint8_t *row = weights[p] + stored * gguf_row_bytes(types[p], k);
                 float y[TILE];
-                const uint8_t *row = w + (row_index ? row_index[j] : j) * row_bytes;
-                (tokens - t0 == 1 ? dot_row_1 : dot_row_tile)(type, row, k, x, d, sums, y);
+                (tokens - t0 == 1 ? dot_row_1 : dot_row_tile)(types[p], row, k, x, d, sums, y);
                 for (int u = 0; u < TILE && t0 + u < tokens; u++)
                     out[(t0 + u) * out_stride + j] = bias ? y[u] + bias[j] : y[u];
             }
         }
+    free(sums_f);
 }
 #else
 int gguf_matmul_available(void) { return 0; }
 int gguf_matmul_supports(int type) { (void)type; return 0; }
-void gguf_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xd,
-                 const int32_t *xs, int64_t tokens, const float *bias, float *out, int64_t out_stride,
-                 const int64_t *row_index) {
-    (void)type, (void)w, (void)n, (void)k, (void)xq, (void)xd, (void)xs, (void)tokens, (void)bias, (void)out,
-        (void)out_stride, (void)row_index;
+void gguf_matmul(int64_t parts, const int *types, const uint8_t *const *weights, const int64_t *rows,
+                 const int64_t *const *row_index, int64_t k, const int8_t *xq, const float *xd, const int32_t *xs,
+                 int64_t tokens, const float *bias, float *out, int64_t out_stride) {
+    (void)parts, (void)types, (void)weights, (void)rows, (void)row_index, (void)k, (void)xq, (void)xd, (void)xs,
+        (void)tokens, (void)bias, (void)out, (void)out_stride;
 }
 #endif

@@ -37,6 +37,7 @@ class GGUFLinear(QuantLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias)
         self.parts: list[tuple[StoredBlocks, torch.Tensor | None]] = []  # (blocks, stored row of each output)
+        self.plan: kernels.GGUFMatmulPlan | None = None
         self.fallback: Int8Linear | None = None
 
     def load_stored(self, parts: list[StoredBlocks], bias: torch.Tensor | None = None,
@@ -56,6 +57,8 @@ class GGUFLinear(QuantLinear):
             identity = bool(torch.equal(order, torch.arange(part.rows)))
             self.parts.append((part, None if identity else order.to(torch.int64).contiguous()))
             start += part.rows
+        self.plan = kernels.GGUFMatmulPlan([(p.data, p.tensor_type, p.rows, order) for p, order in self.parts],
+                                           self.in_features)
         if self.bias is not None:
             if bias is None:
                 raise ValueError("this layer has a bias but none was given")
@@ -93,15 +96,8 @@ class GGUFLinear(QuantLinear):
             y = self.fallback(rows)
             y = y if self.bias is None else y + self.bias
         else:
-            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            quantized = kernels.quantize_groups(rows)
-            start = 0
-            for part, order in self.parts:
-                n = part.rows
-                bias = None if self.bias is None else self.bias[start:start + n]
-                kernels.gguf_matmul(rows, part.data, part.tensor_type, part.rows, bias, y[:, start:start + n], order,
-                                    quantized)
-                start += n
+            assert self.plan is not None
+            y = kernels.gguf_matmul(rows, self.plan, self.bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
