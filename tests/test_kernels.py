@@ -247,7 +247,7 @@ def test_gguf_blocks_executed_as_stored_match_their_dequantized_product() -> Non
     executed = [b for b in _blocks_of_every_type() if kernels.gguf_matmul_supported(int(b[0]), b[3])]
     if not kernels.int8_grouped_available():
         pytest.skip("no AVX2: GGUF layers run the int8 backend")
-    assert {t.name for t, *_ in executed} == {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert {t.name for t, *_ in executed} == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     gen = torch.Generator().manual_seed(3)
     for kind, data, rows, cols in executed:
         weight = torch.from_numpy(np.asarray(dequantize(data, kind), dtype=np.float32).reshape(rows, cols))

@@ -1,5 +1,5 @@
 /* Linear layers over GGUF weights executed as the file stores them: y[t, j] = sum_k W[j, k] x[t, k] with W in
- * its quantized blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) and x quantized to int8 per group of 32 with
+ * its quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and x quantized to int8 per group of 32 with
  * one float scale (int8_rows.c's quantize_groups, as llama.cpp's q8 activations). Per block, integer dot
  * products of the weights' small integers with the activations' (AVX2 maddubs: unsigned weight levels, signed
  * activations), then float: the block's weight scale x the activation scale; the formats' offsets (Q4_0's -8,
@@ -86,18 +86,19 @@ static inline __attribute__((always_inline)) void dot_row(
             }
         }
         break;
-    case T_Q4_0: case T_Q4_1: case T_Q5_0: {
-        const int64_t size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 22;
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: {
+        const int64_t size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+        const int with_min = type == T_Q4_1 || type == T_Q5_1;
         const float offset = type == T_Q4_0 ? -8.0f : -16.0f;
         for (int64_t g = 0; g < k / 32; g++, w += size) {
             __m256i q = nibbles_32(w + size - 16);
-            if (type == T_Q5_0) q = _mm256_or_si256(q, fifth_bits_32(w + 2));
-            const float dw = h2f(w), m = type == T_Q4_1 ? h2f(w + 2) : 0.0f;
+            if (type == T_Q5_0 || type == T_Q5_1) q = _mm256_or_si256(q, fifth_bits_32(w + (with_min ? 4 : 2)));
+            const float dw = h2f(w), m = with_min ? h2f(w + 2) : 0.0f;
             for (int u = 0; u < tile; u++) {
                 acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, load_x(xq[u] + 32 * g))),
                                          _mm256_set1_ps(dw * xd[u][g]), acc[u]);
                 // w = d (q - 8), d (q - 16) or d q + m
-                offsets[u] += (type == T_Q4_1 ? m : offset * dw) * xs[u][g];
+                offsets[u] += (with_min ? m : offset * dw) * xs[u][g];
             }
         }
         break;
@@ -177,8 +178,8 @@ static void dot_row_tile(int type, const uint8_t *w, int64_t k, const int8_t *co
 }
 
 int gguf_matmul_supports(int type) {
-    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q4_K ||
-           type == T_Q5_K || type == T_Q6_K;
+    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
+           type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 
 /* out[t * out_stride + j] = W[row(j)] . x[t] (+ bias[j]) for the outputs j of `parts` stacked tensors (a fused
