@@ -410,12 +410,13 @@ def bf16_cache_supported(head_dim: int, block_size: int) -> bool:
     return block_size == 16 and head_dim % 64 == 0 and attention_bf16_available()
 
 
-def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tensor) -> bool:
+def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tensor,
+                        window: int | None = None) -> bool:
     """Whether the native kernel takes a float32 CPU `query` of `num_heads` heads over this K cache (shapes
-    within its compiled limits; bf16 caches only on its AVX-512 path)."""
+    within its compiled limits; bf16 caches only on its AVX-512 path, and only without a sliding `window`)."""
     num_kv_heads, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if k_cache.dtype == torch.bfloat16:
-        cache_ok = bf16_cache_supported(head_dim, block_size)
+        cache_ok = window is None and bf16_cache_supported(head_dim, block_size)
     else:
         cache_ok = k_cache.dtype == torch.float32
     return (

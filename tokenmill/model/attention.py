@@ -149,7 +149,7 @@ def paged_attention(
     """`window`: a query at position p sees keys p - window + 1 .. p (sliding-window layers; the native kernel
     takes them over float32 caches)."""
     out = torch.empty_like(q)
-    if native_attention(q, k_cache, window):
+    if kernels.attention_supported(q, q.shape[1], k_cache, window):
         kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, scale,
                                 window)
         return out
@@ -173,11 +173,6 @@ def paged_attention(
                                                   attn_mask=mask, scale=scale, enable_gqa=True)
         out[p.start:p.end] = attn[0].transpose(0, 1)
     return out
-
-
-def native_attention(q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> bool:
-    """Whether the native kernel attends these queries (windowed layers: over float32 caches only)."""
-    return kernels.attention_supported(q, q.shape[1], k_cache) and (window is None or k_cache.dtype == torch.float32)
 
 
 def _window_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:

@@ -93,8 +93,8 @@ class Attention(nn.Module):
             self._norm_heads(qkv)
         k_cache, v_cache = self.kv_cache
         cos, sin = rope
-        native = (kernels.layer_ops_supported(qkv) and kernels.attention_supported(qkv, self.num_heads, k_cache)
-                  and (self.window is None or k_cache.dtype == torch.float32))
+        native = (kernels.layer_ops_supported(qkv)
+                  and kernels.attention_supported(qkv, self.num_heads, k_cache, self.window))
         if native:
             q = kernels.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
                                        k_cache, v_cache)
