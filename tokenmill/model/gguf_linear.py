@@ -59,10 +59,7 @@ class GGUFLinear(QuantLinear):
             start += part.rows
         self.plan = kernels.GGUFMatmulPlan([(p.data, p.tensor_type, p.rows, order) for p, order in self.parts],
                                            self.in_features)
-        if self.bias is not None:
-            if bias is None:
-                raise ValueError("this layer has a bias but none was given")
-            self.bias.data.copy_(bias)
+        self._load_bias(bias)
         return True
 
     def _load_weight(self, weight: torch.Tensor) -> None:
@@ -72,10 +69,7 @@ class GGUFLinear(QuantLinear):
     def load_int8(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.fallback = Int8Linear(self.in_features, self.out_features, bias=False)
         self.fallback.load_int8(qweight, scale)
-        if self.bias is not None:
-            if bias is None:
-                raise ValueError("this layer has a bias but none was given")
-            self.bias.data.copy_(bias)
+        self._load_bias(bias)
 
     def drop_rows(self) -> None:
         if self.fallback is not None:

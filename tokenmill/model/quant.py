@@ -74,6 +74,9 @@ class QuantLinear(nn.Module):
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         self._load_weight(weight.to(torch.float32))
+        self._load_bias(bias)
+
+    def _load_bias(self, bias: torch.Tensor | None) -> None:
         if self.bias is not None:
             if bias is None:
                 raise ValueError("this layer has a bias but none was given")
@@ -150,10 +153,7 @@ class Int8Linear(QuantLinear):
             raise ValueError(f"int8 weight {tuple(qweight.shape)} / scale {tuple(scale.shape)} do not fit "
                              f"{(self.out_features, self.in_features)}")
         self._set_int8(qweight, scale)
-        if self.bias is not None:
-            if bias is None:
-                raise ValueError("this layer has a bias but none was given")
-            self.bias.data.copy_(bias)
+        self._load_bias(bias)
 
     def _set_int8(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         self.qweight, self.scale = qweight.contiguous(), scale.contiguous()
