@@ -32,6 +32,12 @@ class StoredBlocks:
     def executable(self) -> bool:
         return kernels.gguf_matmul_supported(self.tensor_type, self.cols)
 
+    def gather(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 [*index.shape, cols]: the model rows `index`, decoded from the file's blocks."""
+        stored = index if self.row_order is None else self.row_order[index]
+        flat = kernels.gguf_gather_rows(self.data, self.tensor_type, self.rows, self.cols, stored.reshape(-1).cpu())
+        return flat.reshape(*index.shape, self.cols).to(index.device)
+
 
 class GGUFLinear(QuantLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -78,10 +84,8 @@ class GGUFLinear(QuantLinear):
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         if self.fallback is not None:
             return self.fallback.rows(index)
-        (part, order), = self.parts  # an embedding table is one tensor
-        stored = index if order is None else order[index]
-        flat = kernels.gguf_gather_rows(part.data, part.tensor_type, part.rows, part.cols, stored.reshape(-1).cpu())
-        return flat.reshape(*index.shape, part.cols).to(index.device)
+        (part, _), = self.parts  # an embedding table is one tensor, its rows in order
+        return part.gather(index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

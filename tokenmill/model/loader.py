@@ -236,8 +236,7 @@ def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
             blocks[name] = StoredBlocks(tensor.data.reshape(rows, -1), int(tensor.tensor_type), rows, cols,
                                         None if torch.equal(order, torch.arange(rows)) else order)
             if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
-                rows, cols = _shape(tensor)
-                stored[name] = StoredEmbedding(tensor.data, int(tensor.tensor_type), rows, cols)
+                stored[name] = StoredEmbedding(blocks[name])
     return config, LazyWeights(readers, int8_readers, stored, blocks)
 
 

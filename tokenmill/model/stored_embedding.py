@@ -7,23 +7,20 @@ memory map (clean, shared pages the kernel can drop), bit-identical to the `gguf
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill.model.gguf_linear import StoredBlocks
 
 
 class StoredEmbedding(nn.Module):
-    def __init__(self, data: np.ndarray, tensor_type: int, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, blocks: StoredBlocks) -> None:
         super().__init__()
-        self.data, self.tensor_type = data, tensor_type
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.blocks = blocks
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = kernels.gguf_gather_rows(self.data, self.tensor_type, self.num_embeddings, self.embedding_dim,
-                                        input_ids.reshape(-1).cpu())
-        return rows.reshape(*input_ids.shape, self.embedding_dim).to(input_ids.device)
+        return self.blocks.gather(input_ids)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF type {self.tensor_type}, read from the file"
+        b = self.blocks
+        return f"{b.rows}, {b.cols}, GGUF type {b.tensor_type}, read from the file"
