@@ -68,11 +68,9 @@ class ModelConfig:
         scaling (rope.py), whether the prompt outgrows the original context (longrope) or its very length
         (dynamic NTK); 0 when the tokens alone decide."""
         scaling = self.rope_scaling
-        if scaling.rope_type == "longrope":
-            return int(prompt_len > (scaling.original_max_position_embeddings or self.max_position_embeddings))
-        if scaling.rope_type == "dynamic" and prompt_len > self.max_position_embeddings:
-            return prompt_len
-        return 0
+        if not scaling.length_dependent or prompt_len <= scaling.length_threshold(self.max_position_embeddings):
+            return 0
+        return 1 if scaling.rope_type == "longrope" else prompt_len
 
     @property
     def softmax_scale(self) -> float:

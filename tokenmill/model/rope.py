@@ -88,6 +88,13 @@ class RopeScaling:
     def length_dependent(self) -> bool:
         return self.rope_type in LENGTH_DEPENDENT_ROPE_TYPES
 
+    def length_threshold(self, max_position_embeddings: int) -> int:
+        """The sequence length past which a length-dependent scaling changes its frequencies: longrope's
+        original context, dynamic NTK's trained one (max_position_embeddings)."""
+        if self.rope_type == "longrope":
+            return self.original_max_position_embeddings or max_position_embeddings
+        return max_position_embeddings
+
     def context_length(self, max_position_embeddings: int) -> int:
         """The longest sequence the scaling serves: dynamic NTK extends the model's context by its factor."""
         if self.rope_type == "dynamic" and self.factor > 1:
@@ -207,9 +214,7 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling or RopeScaling()
         self.head_dim, self.theta = head_dim, theta
         self.rotary_dim = rotary_dim or head_dim
-        # the length past which a length-dependent scaling changes (longrope: the original context)
-        self.threshold = (self.scaling.original_max_position_embeddings if self.scaling.rope_type == "longrope"
-                          else base_context) or max_positions
+        self.threshold = self.scaling.length_threshold(base_context or max_positions)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         inv_freq, attention_factor = inverse_frequencies(self.rotary_dim, theta, self.scaling)
