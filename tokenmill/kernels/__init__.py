@@ -105,12 +105,12 @@ def _grouped_fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type:
 
 
 @functools.cache
-def _pack_layout() -> tuple[int, int]:
-    """(outputs per packed vector, byte offset of the stored weights) of this CPU's grouped kernel: 16 and +128
-    for AVX512-VNNI (vpdpbusd multiplies unsigned weights), 8 and 0 for AVX2 (signed, the sign trick)."""
+def _pack_fns() -> tuple[int, ctypes._CFuncPtr]:  # type: ignore[name-defined]
+    """(outputs per packed vector of this CPU's grouped kernel: 16 for AVX512-VNNI, 8 for AVX2; int8_pack)."""
     lib = load_library("int8_rows")
-    assert lib is not None
-    return int(lib.int8_pack_lanes()), int(lib.int8_pack_offset())
+    pack = _function("int8_rows", "int8_pack", [_PTR, _I64, _I64, _PTR])
+    assert lib is not None and pack is not None
+    return int(lib.int8_pack_lanes()), pack
 
 
 INT8_GROUP = 32  # activations share one int8 scale per row and 32 consecutive input features (int8_rows.c)
@@ -125,14 +125,12 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
     """int8 weight [n, k] (k a multiple of 4) -> packed [ceil(n/L), k/4, L, 4], the layout `int8_linear_grouped`
     reads (int8_rows.c): L outputs per vector, four consecutive k each; on VNNI hosts (L = 16) the bytes hold
     w + 128 as unsigned."""
-    lanes, _ = _pack_layout()
+    lanes, pack = _pack_fns()
     n, k = weight.shape
     if k % 4:
         raise ValueError(f"packing needs in_features a multiple of 4, got {k}")
     weight = weight.contiguous()
     out = torch.empty(-(-n // lanes), k // 4, lanes, 4, dtype=torch.int8)
-    pack = _function("int8_rows", "int8_pack", [_PTR, _I64, _I64, _PTR])
-    assert pack is not None
     pack(weight.data_ptr(), n, k, out.data_ptr())
     return out
 
