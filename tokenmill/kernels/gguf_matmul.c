@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void dot_row(
     int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd, const float *const *xs,
     float *y, const int tile) {
     __m256 acc[TILE];
-    float offsets[TILE];  // tile <= TILE tokens  // the formats' offset and min terms, through the groups' activation sums
+    float offsets[TILE];  // the formats' offset and min terms, through the groups' activation sums (tile <= TILE)
     for (int u = 0; u < tile; u++) acc[u] = _mm256_setzero_ps(), offsets[u] = 0.0f;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     switch (type) {
@@ -193,6 +193,8 @@ void gguf_matmul(int64_t parts, const int *types, const uint8_t *const *weights,
     for (int64_t p = 0; p < parts; p++) n += rows[p];
     float *sums_f = malloc(sizeof(float) * (size_t)(tokens * groups));  // each group's activation sum, as a float
     for (int64_t i = 0; i < tokens * groups; i++) sums_f[i] = xd[i] * (float)(xs[i] / 128);
+    int64_t *row_bytes = malloc(sizeof(int64_t) * (size_t)parts);
+    for (int64_t p = 0; p < parts; p++) row_bytes[p] = gguf_row_bytes(types[p], k);
 #pragma omp parallel for schedule(static)
     for (int64_t j0 = 0; j0 < n; j0 += 16)
         for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
@@ -207,7 +209,7 @@ void gguf_matmul(int64_t parts, const int *types, const uint8_t *const *weights,
                 int64_t p = 0, local = j;
                 while (local >= rows[p]) local -= rows[p++];
                 const int64_t stored = row_index && row_index[p] ? row_index[p][local] : local;
-                const uint8_t *row = weights[p] + stored * gguf_row_bytes(types[p], k);
+                const uint8_t *row = weights[p] + stored * row_bytes[p];
                 float y[TILE];
                 (tokens - t0 == 1 ? dot_row_1 : dot_row_tile)(types[p], row, k, x, d, sums, y);
                 for (int u = 0; u < TILE && t0 + u < tokens; u++)
@@ -215,6 +217,7 @@ void gguf_matmul(int64_t parts, const int *types, const uint8_t *const *weights,
             }
         }
     free(sums_f);
+    free(row_bytes);
 }
 #else
 int gguf_matmul_available(void) { return 0; }
