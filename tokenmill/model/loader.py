@@ -77,13 +77,15 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     """A read-only state dict whose tensors are produced on each lookup (nothing is cached)."""
 
     def __init__(self, readers: dict[str, Callable[[], torch.Tensor]],
-                 int8_readers: dict[str, Callable[[], Int8Rows]] | None = None,
+                 blocks: dict[str, StoredBlocks] | None = None,
                  stored: dict[str, StoredEmbedding] | None = None,
-                 blocks: dict[str, StoredBlocks] | None = None) -> None:
+                 release: Callable[[str], None] | None = None) -> None:
+        """`blocks`: the tensors the native decoder reads from a GGUF's map; `stored`: the embedding tables
+        looked up there; `release(name)`: drop a converted tensor's file pages."""
         self._readers = readers
         self._blocks = blocks or {}
-        self._int8_readers = int8_readers or {}
         self._stored = stored or {}
+        self._release = release
 
     def stored_embedding(self, name: str) -> StoredEmbedding | None:
         """The [rows, cols] tensor as a lookup table over the file's own bytes, where the file allows."""
@@ -95,13 +97,17 @@ class LazyWeights(Mapping[str, torch.Tensor]):
 
     def int8_rows(self, name: str) -> Int8Rows | None:
         """The tensor as per-row int8 made straight from the file's blocks, where the file allows; else None."""
-        reader = self._int8_readers.get(name)
-        if reader is None:
+        blocks = self._blocks.get(name)
+        if blocks is None:
             return None
         trim = _malloc_trim()
         if trim is not None:
             trim(0)
-        return reader()
+        q, scale = kernels.gguf_to_int8_rows(blocks.data, blocks.tensor_type, blocks.rows, blocks.cols)
+        if self._release is not None and name not in self._stored:  # an embedding table is read on
+            self._release(name)
+        order = blocks.row_order
+        return (q, scale) if order is None else (q[order], scale[order])
 
     def __getitem__(self, name: str) -> torch.Tensor:
         # glibc keeps freed float32 tensors in its heap; hand them back before reading the next one, or peak
@@ -204,40 +210,29 @@ def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
     def reader_of(tensor: GGUFTensor, name: str) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
             value = _dequantize(tensor)
-            if name not in stored:
+            if name not in stored:  # an embedding table is read on
                 reader.release(tensor)
             return rows_in_hf_order(value, name)
 
         return read
 
-    def int8_reader_of(tensor: GGUFTensor, name: str) -> Callable[[], Int8Rows]:
-        def read() -> Int8Rows:
-            rows, cols = _shape(tensor)
-            q, scale = kernels.gguf_to_int8_rows(tensor.data, int(tensor.tensor_type), rows, cols)
-            if name not in stored:  # an embedding table keeps being read from the file
-                reader.release(tensor)
-            return rows_in_hf_order(q, name), rows_in_hf_order(scale, name)
-
-        return read
-
     readers: dict[str, Callable[[], torch.Tensor]] = {}
-    int8_readers: dict[str, Callable[[], Int8Rows]] = {}
+    tensors: dict[str, GGUFTensor] = {}
     stored: dict[str, StoredEmbedding] = {}
     blocks: dict[str, StoredBlocks] = {}
     for tensor in reader.tensors:
         if tensor.name in families.GGUF_CONFIG_TENSORS:
             continue
         name = families.hf_tensor_name(tensor.name, family)
-        readers[name] = reader_of(tensor, name)
+        readers[name], tensors[name] = reader_of(tensor, name), tensor
         if len(tensor.shape) == 2 and _natively_decodable(tensor):
-            int8_readers[name] = int8_reader_of(tensor, name)
             rows, cols = _shape(tensor)
             order = rows_in_hf_order(torch.arange(rows), name)
             blocks[name] = StoredBlocks(tensor.data.reshape(rows, -1), int(tensor.tensor_type), rows, cols,
                                         None if torch.equal(order, torch.arange(rows)) else order)
             if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
                 stored[name] = StoredEmbedding(blocks[name])
-    return config, LazyWeights(readers, int8_readers, stored, blocks)
+    return config, LazyWeights(readers, blocks, stored, lambda name: reader.release(tensors[name]))
 
 
 # ---------------------------------------------------------------- HF directory
