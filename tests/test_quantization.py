@@ -18,6 +18,7 @@ from tests.conftest import CHAT_PROMPTS, DEVICE, PLAIN_PROMPTS
 from tokenmill import kernels
 from tokenmill.config import EngineConfig
 from tokenmill.executor.model_runner import ModelRunner
+from tokenmill.model.gguf_linear import GGUFLinear
 from tokenmill.model.quant import (
     Int8Linear,
     dequantize_two_level,
@@ -170,15 +171,20 @@ def test_resolve_quantization() -> None:
         EngineConfig(quantization="fp8")
 
 
-@pytest.mark.skipif(not kernels.decoder_stack_available(), reason="no AVX512-VNNI: the layers run one by one")
-def test_int8_decoder_stack_is_bit_identical_to_the_layer_by_layer_path(loaded_model, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.skipif(not kernels.decoder_stack_available(), reason="no AVX2/AVX512-VNNI: the layers run one by one")
+@pytest.mark.parametrize("mode", ["int8", "gguf"])
+def test_decoder_stack_is_bit_identical_to_the_layer_by_layer_path(loaded_model, monkeypatch, mode) -> None:  # noqa: ANN001
+    """One native call for every layer (kernels/decoder.c) gives the layers' own results: int8 projections, and
+    the bundled file's Q4_1/Q8_0 blocks executed as stored (gguf)."""
     from tokenmill.model import llama
 
     ids = list(range(100, 180))
-    fast = _runner(loaded_model, "int8")
+    fast = _runner(loaded_model, mode)
     logits = fast.prompt_logits(ids)
-    assert fast.model._stack is not None, "the one-call decoder stack did not engage on an AVX512-VNNI CPU"
+    assert fast.model._stack is not None, "the one-call decoder stack did not engage"
+    if mode == "gguf":
+        assert any(isinstance(m, GGUFLinear) and m.plan is not None for m in fast.model.modules())
     monkeypatch.setattr(llama.NativeDecoderStack, "supported", staticmethod(lambda model: False))
-    slow = _runner(loaded_model, "int8")
+    slow = _runner(loaded_model, mode)
     assert torch.equal(slow.prompt_logits(ids), logits)
     assert slow.model._stack is None

@@ -450,11 +450,27 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
        int(k_cache.dtype == torch.bfloat16), window or 0)
 
 
+class LinearPointers(ctypes.Structure):
+    """One projection for `decoder_forward` (kernels/decoder.c: Linear): int8 weights packed for the grouped
+    kernel and their scales, or (packed NULL) a GGUFMatmulPlan's arrays."""
+
+    _fields_ = [("packed", _PTR), ("scale", _PTR), ("parts", _I64), ("types", _PTR), ("weights", _PTR),
+                ("rows", _PTR), ("row_index", _PTR)]
+
+    def set_int8(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
+        self.packed, self.scale = packed.data_ptr(), scale.data_ptr()
+
+    def set_gguf(self, plan: GGUFMatmulPlan) -> None:
+        self.parts = plan.count
+        self.types, self.weights, self.rows, self.row_index = (
+            ctypes.addressof(a) for a in (plan.types, plan.weights, plan.rows, plan.row_index))
+
+
 class DecoderLayerPointers(ctypes.Structure):
     """One layer's tensors for `decoder_forward` (kernels/decoder.c: DecoderLayer), as raw addresses."""
 
-    _fields_ = [(name, _PTR) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_scale",
-                                           "o_scale", "gate_up_scale", "down_scale", "qkv_bias", "k_cache", "v_cache")]
+    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), *((name, LinearPointers) for name in
+                ("qkv", "o", "gate_up", "down")), ("qkv_bias", _PTR), ("k_cache", _PTR), ("v_cache", _PTR)]
 
 
 @functools.cache

@@ -1,21 +1,50 @@
-// The whole decoder stack of an int8 Llama-family model in one native call: for every layer the same kernels,
-// in the same order, as model/llama.py calls one by one (so the results are bit-identical to that path), but
-// without ~10 Python-level calls, ctypes conversions and tensor allocations per layer. At batch 1 those cost
-// ~2 ms of a ~10 ms step on a 30-layer model.
+// The whole decoder stack of a Llama-family model in one native call: for every layer the same kernels, in the
+// same order, as model/llama.py calls one by one (so the results are bit-identical to that path), but without
+// ~10 Python-level calls, ctypes conversions and tensor allocations per layer. At batch 1 those cost ~2 ms of a
+// ~10 ms step on a 30-layer model. Each projection is int8 (the grouped kernel) or a GGUF file's own blocks.
 //
 // It includes the kernel sources, so it is built as one library with them (kernels/__init__.py hashes every
 // source in this directory into the build key).
 #include "layer_ops.c"
 #include "int8_rows.c"
 #include "paged_attention.c"
+#include "gguf_matmul.c"
+
+// One projection: int8 weights packed by int8_pack with per-output-channel scales, or (packed NULL) the stacked
+// GGUF tensors gguf_matmul reads (kernels.GGUFMatmulPlan's arrays).
+typedef struct {
+    const int8_t *packed;
+    const float *scale;
+    int64_t parts;
+    const int *types;
+    const uint8_t *const *weights;
+    const int64_t *rows;
+    const int64_t *const *row_index;
+} Linear;
 
 typedef struct {
     const float *input_norm, *post_norm;  // [hidden] RMSNorm weights
-    const int8_t *qkv, *o, *gate_up, *down;  // weights packed by pack_vnni
-    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;  // per output channel
+    Linear qkv, o, gate_up, down;
     const float *qkv_bias;  // [q + 2 kv] or NULL
     void *k_cache, *v_cache;
 } DecoderLayer;
+
+// out [tokens, n] = x [tokens, k] @ W.T (+ bias), as Int8Linear / GGUFLinear compute it
+static void linear(const Linear *w, const float *x, int64_t tokens, int64_t k, const float *bias, float *out,
+                   int64_t n) {
+    if (w->packed) {
+        int8_linear_grouped(x, tokens, k, k, w->packed, w->scale, bias, out, n);
+        return;
+    }
+    int8_t *q = malloc((size_t)(tokens * k));
+    float *scales = malloc(sizeof(float) * (size_t)(tokens * k / 32));
+    int32_t *corr = malloc(sizeof(int32_t) * (size_t)(tokens * k / 32));
+    quantize_groups(x, tokens, k, k, q, scales, corr);
+    gguf_matmul(w->parts, w->types, w->weights, w->rows, w->row_index, k, q, scales, corr, tokens, bias, out, n);
+    free(q);
+    free(scales);
+    free(corr);
+}
 
 // residual [tokens, hidden]: the embeddings in, the residual stream out (updated in place, as in llama.py);
 // x_out [tokens, hidden]: the last layer's MLP output. The caller adds and normalizes the two (the final norm).
@@ -32,17 +61,15 @@ void decoder_forward(const DecoderLayer *layers, int64_t num_layers, int64_t tok
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *layer = layers + i;
         add_rms_norm(residual, i == 0 ? NULL : x_out, hidden, layer->input_norm, eps, h, tokens, hidden);
-        int8_linear_grouped(h, tokens, hidden, hidden, layer->qkv, layer->qkv_scale, layer->qkv_bias, qkv, qkv_width);
+        linear(&layer->qkv, h, tokens, hidden, layer->qkv_bias, qkv, qkv_width);
         rope_and_cache(qkv, qkv_width, tokens, heads, kv_heads, head_dim, cos, sin, slots, block_size,
                        layer->k_cache, layer->v_cache, q, kv_bf16);
         paged_attention(attn, q, layer->k_cache, layer->v_cache, query_start, seq_lens, block_tables, num_seqs,
                         max_blocks, heads, kv_heads, head_dim, block_size, q_width, q_width, scale, kv_bf16, 0);
-        int8_linear_grouped(attn, tokens, q_width, q_width, layer->o, layer->o_scale, NULL, o, hidden);
+        linear(&layer->o, attn, tokens, q_width, NULL, o, hidden);
         add_rms_norm(residual, o, hidden, layer->post_norm, eps, h, tokens, hidden);
-        int8_linear_grouped(h, tokens, hidden, hidden, layer->gate_up, layer->gate_up_scale, NULL, gate_up,
-                            2 * intermediate);
+        linear(&layer->gate_up, h, tokens, hidden, NULL, gate_up, 2 * intermediate);
         silu_and_mul(gate_up, tokens, intermediate, act);
-        int8_linear_grouped(act, tokens, intermediate, intermediate, layer->down, layer->down_scale, NULL, x_out,
-                            hidden);
+        linear(&layer->down, act, tokens, intermediate, NULL, x_out, hidden);
     }
 }

@@ -62,14 +62,26 @@ static inline float h2f(const uint8_t *p) {
 #endif
 }
 
+// 8 bytes -> 8 float lanes
+static inline __m256 u8x8_to_ps(const uint8_t *v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)v)));
+}
+
 #define TILE 4  // tokens per pass over a row: each block's weights are decoded once for all of them
 
-/* One weight row against TILE tokens' activations (xq [k] int8, xd [k/32] scales, xs [k/32]: each group's sum
- * of activations, dequantized); each token's sum runs in its own accumulators, in the same order whatever the
- * other tokens. */
+// One token's activations: q [k] int8 in groups of 32 with scales d [k/32]; each group's sum, dequantized
+// (sums [k/32]: the formats' offsets and mins go through it); each half group's integer sum (sums16 [k/16]:
+// Q6_K's -32 offset, whose scales are per 16 values)
+typedef struct {
+    const int8_t *q;
+    const float *d, *sums;
+    const int32_t *sums16;
+} Activations;
+
+/* One weight row against `tile` tokens' activations; each token's sum runs in its own accumulators, in the same
+ * order whatever the other tokens. */
 static inline __attribute__((always_inline)) void dot_row(
-    int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd, const float *const *xs,
-    float *y, const int tile) {
+    int type, const uint8_t *w, int64_t k, const Activations *x, float *y, const int tile) {
     __m256 acc[TILE];
     float offsets[TILE];  // the formats' offset and min terms, through the groups' activation sums (tile <= TILE)
     for (int u = 0; u < tile; u++) acc[u] = _mm256_setzero_ps(), offsets[u] = 0.0f;
@@ -81,8 +93,8 @@ static inline __attribute__((always_inline)) void dot_row(
             const float d = h2f(w);
             for (int u = 0; u < tile; u++) {
                 // signed x signed through maddubs: |w| against x carrying w's sign
-                const __m256i p = dot_u8s8(aq, _mm256_sign_epi8(load_x(xq[u] + 32 * g), q));
-                acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[u][g]), acc[u]);
+                const __m256i p = dot_u8s8(aq, _mm256_sign_epi8(load_x(x[u].q + 32 * g), q));
+                acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x[u].d[g]), acc[u]);
             }
         }
         break;
@@ -95,10 +107,10 @@ static inline __attribute__((always_inline)) void dot_row(
             if (type == T_Q5_0 || type == T_Q5_1) q = _mm256_or_si256(q, fifth_bits_32(w + (with_min ? 4 : 2)));
             const float dw = h2f(w), m = with_min ? h2f(w + 2) : 0.0f;
             for (int u = 0; u < tile; u++) {
-                acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, load_x(xq[u] + 32 * g))),
-                                         _mm256_set1_ps(dw * xd[u][g]), acc[u]);
+                acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, load_x(x[u].q + 32 * g))),
+                                         _mm256_set1_ps(dw * x[u].d[g]), acc[u]);
                 // w = d (q - 8), d (q - 16) or d q + m
-                offsets[u] += (with_min ? m : offset * dw) * xs[u][g];
+                offsets[u] += (with_min ? m : offset * dw) * x[u].sums[g];
             }
         }
         break;
@@ -106,30 +118,37 @@ static inline __attribute__((always_inline)) void dot_row(
     case T_Q4_K: case T_Q5_K: {
         const int five = type == T_Q5_K;
         const int64_t size = five ? 176 : 144;
+        __m256 min_acc[TILE];  // the mins' terms, a lane per group of the superblock
+        for (int u = 0; u < tile; u++) min_acc[u] = _mm256_setzero_ps();
         for (int64_t b = 0; b < k / 256; b++, w += size) {
-            const float d = h2f(w), dmin = h2f(w + 2);
             const uint8_t *qs = w + (five ? 48 : 16);
             const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+            uint8_t sc[8], mn[8];
+            for (int j = 0; j < 8; j++) scale_min_k4(w + 4, j, sc + j, mn + j);
+            // the 8 groups' weight scales and mins as float lanes, times each token's activation scales
+            const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(h2f(w)), u8x8_to_ps(sc));
+            const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(h2f(w + 2)), u8x8_to_ps(mn));
+            float scale[TILE][8];
+            for (int u = 0; u < tile; u++) {
+                _mm256_storeu_ps(scale[u], _mm256_mul_ps(ds, _mm256_loadu_ps(x[u].d + 8 * b)));
+                min_acc[u] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(x[u].sums + 8 * b), min_acc[u]);
+            }
             for (int pair = 0; pair < 4; pair++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * pair));
                 for (int half = 0; half < 2; half++) {
                     const int j = 2 * pair + half;
-                    const int64_t g = 8 * b + j;
                     __m256i q = half ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4) : _mm256_and_si256(v, low4);
                     if (five)
                         q = _mm256_or_si256(q, _mm256_slli_epi16(
                             _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
-                    uint8_t sc, mn;
-                    scale_min_k4(w + 4, j, &sc, &mn);
-                    const float ds = d * (float)sc, dm = dmin * (float)mn;
                     for (int u = 0; u < tile; u++) {
-                        const __m256i p = dot_u8s8(q, load_x(xq[u] + 32 * g));
-                        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds * xd[u][g]), acc[u]);
-                        offsets[u] -= dm * xs[u][g];
+                        const __m256i p = dot_u8s8(q, load_x(x[u].q + 32 * (8 * b + j)));
+                        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(scale[u] + j), acc[u]);
                     }
                 }
             }
         }
+        for (int u = 0; u < tile; u++) offsets[u] = -hsum8_ps(min_acc[u]);
         break;
     }
     case T_Q6_K:
@@ -151,12 +170,12 @@ static inline __attribute__((always_inline)) void dot_row(
                     const int8_t *s = scales + 8 * half + 2 * quarter;  // its two weight groups of 16
                     const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(s[1]), _mm_set1_epi16(s[0]));
                     for (int u = 0; u < tile; u++) {
-                        const __m256i x = load_x(xq[u] + 32 * g);
-                        // levels 0..63 minus 32, through the groups' activation sums (in int32: exact)
-                        const __m256i p = _mm256_sub_epi32(
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(levels, x), sc),
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(32), x), sc));
-                        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[u][g]), acc[u]);
+                        // levels 0..63; their -32 offset through the half groups' integer sums (exact in float)
+                        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(levels, load_x(x[u].q + 32 * g)),
+                                                            sc);
+                        const float dx = d * x[u].d[g];
+                        acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx), acc[u]);
+                        offsets[u] -= dx * (float)(32 * (s[0] * x[u].sums16[2 * g] + s[1] * x[u].sums16[2 * g + 1]));
                     }
                 }
             }
@@ -167,14 +186,12 @@ static inline __attribute__((always_inline)) void dot_row(
 }
 
 // the one-token and the full-tile variants (a token's arithmetic is the same in both)
-static void dot_row_1(int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd,
-                      const float *const *xs, float *y) {
-    dot_row(type, w, k, xq, xd, xs, y, 1);
+static void dot_row_1(int type, const uint8_t *w, int64_t k, const Activations *x, float *y) {
+    dot_row(type, w, k, x, y, 1);
 }
 
-static void dot_row_tile(int type, const uint8_t *w, int64_t k, const int8_t *const *xq, const float *const *xd,
-                         const float *const *xs, float *y) {
-    dot_row(type, w, k, xq, xd, xs, y, TILE);
+static void dot_row_tile(int type, const uint8_t *w, int64_t k, const Activations *x, float *y) {
+    dot_row(type, w, k, x, y, TILE);
 }
 
 int gguf_matmul_supports(int type) {
@@ -193,17 +210,21 @@ void gguf_matmul(int64_t parts, const int *types, const uint8_t *const *weights,
     for (int64_t p = 0; p < parts; p++) n += rows[p];
     float *sums_f = malloc(sizeof(float) * (size_t)(tokens * groups));  // each group's activation sum, as a float
     for (int64_t i = 0; i < tokens * groups; i++) sums_f[i] = xd[i] * (float)(xs[i] / 128);
+    int32_t *sums16 = malloc(sizeof(int32_t) * (size_t)(tokens * 2 * groups));
+    for (int64_t i = 0; i < tokens * 2 * groups; i++) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; j++) sum += xq[16 * i + j];
+        sums16[i] = sum;
+    }
     int64_t *row_bytes = malloc(sizeof(int64_t) * (size_t)parts);
     for (int64_t p = 0; p < parts; p++) row_bytes[p] = gguf_row_bytes(types[p], k);
 #pragma omp parallel for schedule(static)
     for (int64_t j0 = 0; j0 < n; j0 += 16)
         for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
-            const int8_t *x[TILE];
-            const float *d[TILE];
-            const float *sums[TILE];
+            Activations x[TILE];
             for (int u = 0; u < TILE; u++) {  // a short last tile repeats its last token (results unused)
                 const int64_t t = t0 + u < tokens ? t0 + u : tokens - 1;
-                x[u] = xq + t * k, d[u] = xd + t * groups, sums[u] = sums_f + t * groups;
+                x[u] = (Activations){xq + t * k, xd + t * groups, sums_f + t * groups, sums16 + t * 2 * groups};
             }
             for (int64_t j = j0; j < n && j < j0 + 16; j++) {
                 int64_t p = 0, local = j;
@@ -211,11 +232,12 @@ void gguf_matmul(int64_t parts, const int *types, const uint8_t *const *weights,
                 const int64_t stored = row_index && row_index[p] ? row_index[p][local] : local;
                 const uint8_t *row = weights[p] + stored * row_bytes[p];
                 float y[TILE];
-                (tokens - t0 == 1 ? dot_row_1 : dot_row_tile)(types[p], row, k, x, d, sums, y);
+                (tokens - t0 == 1 ? dot_row_1 : dot_row_tile)(types[p], row, k, x, y);
                 for (int u = 0; u < TILE && t0 + u < tokens; u++)
                     out[(t0 + u) * out_stride + j] = bias ? y[u] + bias[j] : y[u];
             }
         }
+    free(sums16);
     free(sums_f);
     free(row_bytes);
 }

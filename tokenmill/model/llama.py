@@ -159,7 +159,8 @@ class DecoderLayer(nn.Module):
 
 
 class NativeDecoderStack:
-    """All decoder layers of an int8 model in one native call per step (kernels/decoder.c): the kernels the
+    """All decoder layers in one native call per step (kernels/decoder.c), each projection int8 or a GGUF
+    file's own blocks (`--quantization int8`, `gguf`): the kernels the
     layers above call one by one, in the same order, so the results are bit-identical, without the per-layer
     Python, ctypes and allocation overhead (~2 ms of a ~10 ms batch-1 step). Holds the layers' raw addresses:
     weights and KV caches never move once bound."""
@@ -168,6 +169,7 @@ class NativeDecoderStack:
         layers = model.decoder_layers
         config = model.config
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.plans: list[kernels.GGUFMatmulPlan] = []  # the arrays the GGUF projections' pointers point into
         for layer in layers:
             assert layer.self_attn.kv_cache is not None
             self.caches.append(layer.self_attn.kv_cache)
@@ -176,9 +178,15 @@ class NativeDecoderStack:
             attn, mlp = layer.self_attn, layer.mlp
             linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
             for name, linear in linears.items():
-                assert isinstance(linear, Int8Linear) and linear.packed is not None
-                setattr(slot, name, linear.packed.data_ptr())
-                setattr(slot, f"{name}_scale", linear.scale.data_ptr())
+                pointers = getattr(slot, name)
+                int8 = _native_int8(linear)
+                if int8 is not None:
+                    assert int8.packed is not None
+                    pointers.set_int8(int8.packed, int8.scale)
+                else:
+                    assert isinstance(linear, GGUFLinear) and linear.plan is not None
+                    pointers.set_gguf(linear.plan)
+                    self.plans.append(linear.plan)
             slot.qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr()
             slot.input_norm = layer.input_layernorm.weight.data_ptr()
             slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
@@ -194,14 +202,15 @@ class NativeDecoderStack:
 
     @staticmethod
     def supported(model: LlamaForCausalLM) -> bool:
-        """int8 linears packed for the grouped kernel everywhere (biases on qkv only), the fused layer kernels and
-        the native attention over these caches."""
+        """Every projection int8 packed for the grouped kernel or GGUF blocks the kernel executes (biases on qkv
+        only), the fused layer kernels and the native attention over these caches."""
         if not (kernels.decoder_stack_available() and model.config.plain_llama):
             return False
         for layer in model.decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.kv_cache is None or not all(isinstance(x, Int8Linear) and x.packed is not None for x in linears):
+            if attn.kv_cache is None or not all(_native_int8(x) is not None or (
+                    isinstance(x, GGUFLinear) and x.plan is not None) for x in linears):
                 return False
             if any(x.bias is not None for x in linears[1:]) or layer.input_layernorm.weight.dtype != torch.float32:
                 return False
@@ -220,6 +229,12 @@ class NativeDecoderStack:
                                       meta.slot_mapping, self.block_size, meta.query_start, meta.seq_lens,
                                       meta.block_tables, self.scale, self.kv_bf16)
         return out, x
+
+
+def _native_int8(linear: nn.Module) -> Int8Linear | None:
+    """The int8 layer packed for the grouped kernel that runs this projection (a GGUF layer's fallback), if any."""
+    int8 = linear.fallback if isinstance(linear, GGUFLinear) else linear
+    return int8 if isinstance(int8, Int8Linear) and int8.packed is not None else None
 
 
 def _partial_rotary_order(config: ModelConfig) -> torch.Tensor | None:
