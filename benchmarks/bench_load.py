@@ -2,10 +2,13 @@
 the same file, each started alone, one after the other, in one run.
 
 Ready: from the process's start until `/v1/models` answers and a first 8-token completion has come back (what a
-client waits for). Peak memory: the largest resident set of the server's whole process tree (front end and
-engine core), sampled every 20 ms until then. KV pools: tokenmill's default 1 GB; llama-server 16 slots x 4,096
-tokens (`../shared/peers/llamacpp.sh`'s defaults). Models: the bundled SmolLM2 and every file that
-`python -m tests.real_models` fetched. `python benchmarks/bench_load.py` prints the table and writes the "load"
+client waits for). Peak memory: the largest resident set of the server's whole process tree (front end, engine
+core and tokenmill's fork server), sampled every 20 ms until then, summed two ways: RSS (a page shared by two
+processes, such as torch's libraries or the model file's mapped pages, counts twice) and PSS (each shared page
+split between the processes that map it: what the tree costs the machine). KV pools: tokenmill's default 1 GB
+(mapped, its pages resident as tokens fill them); llama-server 16 slots x 4,096 tokens
+(`../shared/peers/llamacpp.sh`'s defaults). Models: the bundled SmolLM2 and every file that `python -m
+tests.real_models` fetched. `python benchmarks/bench_load.py` prints the table and writes the "load"
 section of docs/BENCHMARKS.md.
 """
 
@@ -36,23 +39,26 @@ LLAMA_SERVER = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
 TOKENMILL_MODES = ("auto", "gguf")
 
 
-def tree_rss(proc: psutil.Process) -> int:
-    total = 0
+def tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(RSS, PSS) bytes summed over the process and its descendants."""
+    rss = pss = 0
     for p in [proc, *proc.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):  # a child that just exited
-            total += p.memory_info().rss
-    return total
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # a child that just exited
+            info = p.memory_full_info()
+            rss, pss = rss + info.rss, pss + info.pss
+    return rss, pss
 
 
-def start_to_ready(command: list[str], url: str, model_id: str | None) -> tuple[float, float]:
-    """(seconds to the first completion, peak RSS GB of the process tree until then)."""
+def start_to_ready(command: list[str], url: str, model_id: str | None) -> tuple[float, float, float]:
+    """(seconds to the first completion, peak RSS GB, peak PSS GB of the process tree until then)."""
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ps = psutil.Process(proc.pid)
-    peak = 0
+    peak_rss = peak_pss = 0
     try:
         while True:
-            peak = max(peak, tree_rss(ps))
+            rss, pss = tree_memory(ps)
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
             if proc.poll() is not None:
                 raise RuntimeError(f"{command[0]} exited with {proc.returncode}")
             try:
@@ -66,7 +72,8 @@ def start_to_ready(command: list[str], url: str, model_id: str | None) -> tuple[
             except httpx.HTTPError:
                 pass
             time.sleep(0.02)
-        return time.perf_counter() - start, max(peak, tree_rss(ps)) / 1e9
+        rss, pss = tree_memory(ps)
+        return time.perf_counter() - start, max(peak_rss, rss) / 1e9, max(peak_pss, pss) / 1e9
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -92,7 +99,7 @@ def main() -> None:
     rows: list[list[object]] = []
     for path in files:
         size = os.path.getsize(path) / 1e9
-        results: dict[str, list[tuple[float, float]]] = {f"tokenmill -q {mode}": [] for mode in TOKENMILL_MODES}
+        results: dict[str, list[tuple[float, float, float]]] = {f"tokenmill -q {mode}": [] for mode in TOKENMILL_MODES}
         results["llama.cpp"] = []
         for _ in range(args.runs):  # alternate the servers: the host drifts between runs
             for mode in TOKENMILL_MODES:
@@ -106,15 +113,17 @@ def main() -> None:
         for name, values in results.items():
             if not values:
                 continue
-            ready, peak = [v[0] for v in values], [v[1] for v in values]
+            ready = [v[0] for v in values]
             rows.append([Path(path).name, f"{size:.2f}", name, f"{statistics.median(ready):.1f} "
-                         f"({min(ready):.1f}-{max(ready):.1f})", f"{statistics.median(peak):.2f}"])
+                         f"({min(ready):.1f}-{max(ready):.1f})", f"{statistics.median(v[1] for v in values):.2f}",
+                         f"{statistics.median(v[2] for v in values):.2f}"])
             print(rows[-1], flush=True)
     body = "\n".join([
         "## Start to ready and peak memory (`python benchmarks/bench_load.py`)", "",
         f"Machine: {machine_description()}. {__doc__.split(chr(10) + chr(10))[1].strip()} Median (min-max) over "
         f"{args.runs} starts of each, alternating the servers.", "",
-        markdown_table(["file", "size GB", "server", "start to first completion s", "peak RSS GB"], rows)])
+        markdown_table(["file", "size GB", "server", "start to first completion s", "peak RSS GB", "peak PSS GB"],
+                       rows)])
     if not args.no_write:
         write_section("load", body)
         print("wrote docs/BENCHMARKS.md (load)")

@@ -1,9 +1,25 @@
 """tokenmill: an LLM inference engine built around continuous batching."""
 
-from tokenmill.config import EngineConfig
-from tokenmill.llm import LLM
-from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.llm import LLM
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+# Imported on first use, so that `tokenmill serve` can start its engine-core server before torch is imported.
+_HOMES = {"LLM": "tokenmill.llm", "CompletionOutput": "tokenmill.outputs", "EngineConfig": "tokenmill.config",
+          "RequestOutput": "tokenmill.outputs", "SamplingParams": "tokenmill.sampling_params"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -6,13 +6,15 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
-from tokenmill.router.policy import ROUTERS
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
+
     defaults = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
@@ -45,6 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from tokenmill.config import EngineConfig
+
     return EngineConfig(
         model=args.model, chat_template=args.chat_template, device=args.device, dtype=args.dtype,
         quantization=args.quantization,
@@ -133,6 +137,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+        from tokenmill.engine.process_start import start_core_server
+
+        start_core_server()  # its imports run while this process imports its own
+    from tokenmill.router.policy import ROUTERS
+
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

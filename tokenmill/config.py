@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tokenmill.model.rope import RopeScaling
+from tokenmill.model.rope_scaling import RopeScaling
 
 BatchingMode = Literal["continuous", "dynamic", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]

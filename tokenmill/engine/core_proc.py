@@ -1,6 +1,7 @@
 """The entry point of an engine-core process: pin to its CPUs, load the model, say hello, run the core loop.
 
-Imports stay light at the top: the CPU set and thread count must be fixed before torch opens its thread pool.
+Imports stay light at the top: the CPU set and thread count must be fixed before torch opens its thread pool
+(a core forked from the fork server has torch imported, but no thread pool opened yet: process_start.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class CoreProcessOptions:
     log_level: str = "INFO"
     num_threads: int | None = None  # torch threads when not pinned (default: one per CPU of `cpus`)
     niceness: int = 0  # added to the process's nice value: > 0 yields its CPUs to the processes it shares them with
+    # the launching process's environment now (a forked core would otherwise see the fork server's, from its start)
+    environment: dict[str, str] | None = None
 
 
 def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
@@ -41,6 +44,9 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if options.environment is not None:
+        os.environ.clear()
+        os.environ.update(options.environment)
     threads = len(options.cpus) if options.cpus else options.num_threads
     if options.cpus:
         os.sched_setaffinity(0, options.cpus)

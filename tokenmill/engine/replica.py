@@ -2,7 +2,8 @@
 
 - `ThreadReplica`: the core steps in a thread of the API server's process (offline tools, tests, and
   `TOKENMILL_ENABLE_MULTIPROCESSING=0`); it shares the requests with the front end, so reports carry no syncs.
-- `ProcessReplica`: the core runs in its own process (multiprocessing spawn), pinned to its share of the CPUs,
+- `ProcessReplica`: the core runs in its own process (forked from a fork server that has imported the engine:
+  engine/process_start.py), pinned to its share of the CPUs,
   over two ZeroMQ sockets (commands in, reports out; pickle framing). The front end binds both, so a process can
   be replaced without the front end moving; each launch gets fresh addresses, so nothing queued for a dead
   process reaches its successor.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import os
 import tempfile
 import threading
@@ -31,6 +31,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.core_loop import Command, CoreDeath, CoreInfo, CoreLoop, CoreReport
 from tokenmill.engine.core_proc import CoreProcessOptions, run_engine_core
+from tokenmill.engine.process_start import core_process_context
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -168,7 +169,7 @@ class ProcessReplica(Replica):
     def _spawn(self, options: CoreProcessOptions) -> Any:
         """Start the core's process; the handle answers is_alive(), kill(), join(timeout) and exitcode as a
         multiprocessing.Process does."""
-        process = multiprocessing.get_context("spawn").Process(
+        process = core_process_context().Process(
             target=run_engine_core, args=(self.config, options), name=f"tokenmill-core-{self.index}", daemon=True)
         process.start()
         return process
@@ -189,7 +190,8 @@ class ProcessReplica(Replica):
         reports.setsockopt(zmq.LINGER, 0)
         self._commands, self._reports = commands, reports
         options = CoreProcessOptions(self.index, self.cpus, self._bind(commands, "in"), self._bind(reports, "out"),
-                                     self.send_plans, self.kv_events, self.log_level, niceness=self.niceness)
+                                     self.send_plans, self.kv_events, self.log_level, niceness=self.niceness,
+                                     environment=dict(os.environ))
         self._process = self._spawn(options)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

@@ -16,6 +16,8 @@ over their gathered blocks, sequences with several (prompt chunks) one flash-SDP
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,9 +112,19 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (K, V) cache. K keeps each block's keys transposed, [blocks, kv_heads, head_dim, block], so a
     block's scores are one vector over its tokens; V is [blocks, kv_heads, block, head_dim]."""
-    k_cache = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
-    v_cache = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
-    return k_cache, v_cache
+    k_shape = (num_blocks, num_kv_heads, head_dim, block_size)
+    v_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if device.type != "cpu":
+        return torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device)
+    return _untouched_zeros(k_shape, dtype), _untouched_zeros(v_shape, dtype)
+
+
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in an anonymous memory map: the kernel hands out zero pages as they are first written, so a KV pool
+    costs neither start-up time (torch.zeros writes every byte) nor resident memory before tokens fill it."""
+    count = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, count * dtype.itemsize))
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # the tensor keeps the map alive
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

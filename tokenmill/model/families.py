@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import ModelConfig
-from tokenmill.model.rope import RopeScaling
+from tokenmill.model.rope_scaling import RopeScaling
 
 
 @dataclass(frozen=True)
