@@ -20,7 +20,7 @@ PRELOAD = ["torch", "tokenmill.engine.core_proc", "tokenmill.engine.core_loop", 
            "tokenmill.engine.fork_ready"]
 
 
-def core_process_context() -> multiprocessing.context.BaseContext:
+def core_process_context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
