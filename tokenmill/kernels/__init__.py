@@ -358,7 +358,7 @@ def prepare() -> str:
         "grouped int8 GEMM": int8_grouped_available(),
         "layer ops": _layer_fns() is not None,
         "token bitmask": _bitmask_fn() is not None,
-        "int8 decoder stack": _decoder_fn() is not None,
+        "decoder stack": _decoder_fn() is not None,
         "GGUF block decoding": _gguf_fns() is not None,
     }
     return "native CPU kernels: " + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in ready.items())
@@ -484,7 +484,8 @@ def _decoder_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def decoder_stack_available() -> bool:
-    """Whether the one-call int8 decoder stack (kernels/decoder.c) runs on this CPU (AVX512-VNNI or AVX2)."""
+    """Whether the one-call decoder stack (kernels/decoder.c: int8 or GGUF-block projections) runs on this CPU
+    (AVX512-VNNI or AVX2)."""
     return _decoder_fn() is not None
 
 
