@@ -232,6 +232,8 @@ class AsyncLLM:
         return [self.router] if self.decode_router is None else [self.router, self.decode_router]
 
     async def shutdown(self) -> None:
+        for replica in self.replicas:  # a core that exits from now on is stopping, not down: never relaunched
+            replica.state = "stopping"
         for task in self._restarts:
             task.cancel()
         await asyncio.gather(*(asyncio.to_thread(r.stop) for r in self.replicas))

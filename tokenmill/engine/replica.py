@@ -52,7 +52,7 @@ Deliver = Callable[[Message], None]
 
 class Replica:
     """State shared by the kinds of replica. `state`: starting, up, down (its requests failed), restarting,
-    failed (gave up restarting)."""
+    failed (gave up restarting), stopping (the front end is shutting down)."""
 
     can_restart = False
 
@@ -260,6 +260,7 @@ class ProcessReplica(Replica):
         self._commands = self._reports = None
 
     def stop(self, timeout: float = 10.0) -> None:
+        self._closing.set()  # the reader reports no exit for a process told to go
         if self._commands is not None and self._process_alive():
             self._commands.send_pyobj((0, "shutdown", None))
         self._shut_process(timeout)
