@@ -210,8 +210,10 @@ void gguf_matmul(int64_t parts, const int *types, const uint8_t *const *weights,
     for (int64_t p = 0; p < parts; p++) n += rows[p];
     float *sums_f = malloc(sizeof(float) * (size_t)(tokens * groups));  // each group's activation sum, as a float
     for (int64_t i = 0; i < tokens * groups; i++) sums_f[i] = xd[i] * (float)(xs[i] / 128);
+    int q6k = 0;  // only Q6_K reads the half-group sums
+    for (int64_t p = 0; p < parts; p++) q6k |= types[p] == T_Q6_K;
     int32_t *sums16 = malloc(sizeof(int32_t) * (size_t)(tokens * 2 * groups));
-    for (int64_t i = 0; i < tokens * 2 * groups; i++) {
+    for (int64_t i = 0; q6k && i < tokens * 2 * groups; i++) {
         int32_t sum = 0;
         for (int j = 0; j < 16; j++) sum += xq[16 * i + j];
         sums16[i] = sum;
