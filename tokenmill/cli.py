@@ -130,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         step_trace=args.step_trace, data_parallel_size=args.data_parallel_size, router=args.router,
         distributed_executor_backend=args.distributed_executor_backend, disaggregated=args.disaggregated,
-        kv_transport=args.kv_transport,
+        kv_transport=args.kv_transport, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
     return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
                       log_level=args.log_level)
@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                        help='tool_choice "auto": parse tool calls the model writes (needs --tool-call-parser)')
     serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
                        help="the format of the model's tool calls (hermes: <tool_call>{...}</tool_call>)")
+    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="GET /tokenizer_info: the special tokens and chat template (lm-evaluation-harness's "
+                            "remote tokenizer reads it)")
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="engine-core processes, each with its own model copy and KV cache; the CPUs are split "
                             "between them")

@@ -43,4 +43,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token (token id -> logprob: the prompt's token and
+    # the top-N), the first None; set once the prompt is computed
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: list[RequestMetrics] = field(default_factory=list)  # one per completion (n > 1)

@@ -68,6 +68,9 @@ class Request:
         self.max_total_tokens = 0  # set by the scheduler: prompt + max_tokens capped by the context length
         self.times = RequestTimes(arrival=time.monotonic() if arrival_time is None else arrival_time)
         self.logprobs: list[dict[int, float]] = []  # per output token: token id -> logprob (chosen + top-N)
+        # sampling_params.prompt_logprobs: entries for prompt tokens 1.. (the first token has none), filled in
+        # as the prompt's chunks are computed
+        self.prompt_logprobs: list[dict[int, float]] = []
         self.block_hashes: list[int] = []  # chained hashes of its full blocks (prefix caching)
         # folded into the first block's hash: KV that the same tokens produce differently must not be shared
         # (length-dependent rope scaling, ModelConfig.rope_cache_key)
@@ -96,6 +99,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and not all of them are computed yet."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

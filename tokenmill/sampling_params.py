@@ -28,6 +28,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N alternatives per generated token (the chosen token is always given)
+    # vLLM's: the log-probs of every prompt token given the ones before it (and the top-N alternatives), the
+    # first one None. Computed during prefill; such a prompt does not read the prefix cache (vLLM's rule too):
+    # a cached block has no logits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before penalties and sampling (OpenAI's logit_bias, [-100, 100]).
     logit_bias: dict[int, float] | None = None
@@ -77,6 +81,8 @@ class SamplingParams:
             fail("stop_token_ids must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         for token_id, bias in (self.logit_bias or {}).items():
             if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
                 fail(f"logit_bias keys must be token ids (non-negative integers), got {token_id!r}")

@@ -77,6 +77,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return PrefixHit([], 0)
         self._update_hashes(request)
+        if request.needs_prompt_logprobs:  # a cached block has no logits: compute them all (vLLM's rule)
+            return PrefixHit([], 0)
         bs = self.block_size
         hits: list[KVBlock] = []
         for i in range((request.num_tokens - 1) // bs):

@@ -24,6 +24,7 @@ class ScheduledRequest:
     # Speculative decoding: token_ids ends with this many proposed tokens, to verify (sample is then True).
     num_spec_tokens: int = 0
     structured: bool = False  # its sampled rows are masked by the plan's grammar bitmask
+    score_prompt: bool = False  # prompt logprobs wanted: score the prompt tokens this chunk predicts
 
     @property
     def num_tokens(self) -> int:
@@ -59,3 +60,6 @@ class ModelRunnerOutput:
     # speculative decoding: the proposed tokens accepted before the sampled one (and their logprobs)
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # prompt logprobs of this step's prompt chunks: request id -> (the position of the first token they score,
+    # one entry per scored prompt token)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)

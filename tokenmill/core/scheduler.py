@@ -58,6 +58,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a producer's saved KV, for the decode engine
+    prompt_logprobs: list[dict[int, float]] | None = None  # with the first token: prompt tokens 1.. scored
 
 
 @dataclass
@@ -432,6 +433,7 @@ class Scheduler:
                 banned_token_ids=self._banned_tokens(request),
                 num_spec_tokens=num_spec,
                 structured=grammar is not None,
+                score_prompt=request.needs_prompt_logprobs,
             ))
             if start >= request.num_prompt_tokens:
                 decode_tokens += num_new
@@ -481,6 +483,13 @@ class Scheduler:
         now = self.clock()
         outputs, self._outputs_since_plan = self._outputs_since_plan, []
         stats = self.last_stats
+        for request_id, (position, entries) in output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                # a prompt computed again (after preemption) is scored again: keep the entries once
+                known = len(request.prompt_logprobs)
+                if position <= known + 1:
+                    request.prompt_logprobs.extend(entries[known + 1 - position:])
         for scheduled in plan.scheduled:
             if not scheduled.sample or scheduled.padding:
                 continue
@@ -504,6 +513,8 @@ class Scheduler:
                 times.first_token = now
             times.last_token = now
             out = EngineCoreOutput(request.request_id, [])
+            if not request.output_token_ids and request.sampling_params.prompt_logprobs is not None:
+                out.prompt_logprobs = request.prompt_logprobs  # complete with the prompt: sent with its first token
             for i, token in enumerate(tokens):  # stop at the first token that ends the request
                 request.append_output_token(token)
                 if i < len(logprob_list):

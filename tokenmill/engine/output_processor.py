@@ -40,6 +40,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Completion]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -96,6 +97,8 @@ class OutputProcessor:
             if entry is None:
                 continue
             parent, child = entry
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None, *out.prompt_logprobs]
             if child.finished:
                 continue
             self._advance(child, out)
@@ -177,6 +180,7 @@ class OutputProcessor:
             outputs=completions,
             finished=parent.finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
+            prompt_logprobs=parent.prompt_logprobs,
             metrics=[_metrics(c.request) for c in parent.children],
         )
 

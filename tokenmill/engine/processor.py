@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -94,7 +95,10 @@ class InputProcessor:
         else:
             children = [
                 Request(f"{request_id}#{i}", token_ids,
-                        params.with_seed(None if params.seed is None else params.seed + i),
+                        # the prompt is the same for all: the first sample alone scores it, the others may
+                        # then read the prefix cache
+                        replace(params.with_seed(None if params.seed is None else params.seed + i),
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None),
                         self.eos_token_ids, arrival, priority, text)
                 for i in range(params.n)
             ]

@@ -24,6 +24,9 @@ from tokenmill.structured_output.bitmask import apply_bitmask
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SCORE_ROWS = 256  # prompt rows scored at once (their logits are held at vocabulary size meanwhile)
+PromptEntries = list[dict[int, float]]
+PromptLogprobs = dict[str, tuple[int, PromptEntries]]
 
 
 class Executor(Protocol):
@@ -162,15 +165,47 @@ class ModelRunner:
     def compute_logits(self, plan: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         """Run the flat batch; logits of the requests that sample this step (in plan order): one row each, or
         1 + k rows for a request verifying k proposed tokens (its last 1 + k positions)."""
+        sampled, logits, _ = self._run(plan)
+        return sampled, logits
+
+    def _run(self, plan: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None, PromptLogprobs]:
+        """compute_logits, and the prompt logprobs of the chunks that asked for them."""
         hidden, last_rows = self._forward(plan.scheduled)
+        prompt_logprobs = {s.request_id: self._score_prompt(s, hidden, int(last)) for s, last in
+                           zip(plan.scheduled, last_rows) if s.score_prompt and not s.padding}
         sampled = [(i, s) for i, s in enumerate(plan.scheduled) if s.sample and not s.padding]
         if not sampled:
-            return [], None
+            return [], None, prompt_logprobs
         if any(s.num_spec_tokens for _, s in sampled):
             rows = np.concatenate([np.arange(last_rows[i] - s.num_spec_tokens, last_rows[i] + 1) for i, s in sampled])
         else:
             rows = last_rows[[i for i, _ in sampled]]
-        return [s for _, s in sampled], self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+        return [s for _, s in sampled], logits, prompt_logprobs
+
+    def _score_prompt(self, s: ScheduledRequest, hidden: torch.Tensor, last_row: int) -> tuple[int, PromptEntries]:
+        """The logprobs of the prompt tokens this chunk predicts (its rows but the one after the prompt's last
+        token): (the first one's position, an entry each). Log-softmax runs over a few rows at a time, and
+        only each row's chosen token and top-N are kept, so no prompt's logits are held at vocabulary size."""
+        prompt = s.prompt_token_ids
+        first_row = last_row - s.num_tokens + 1
+        count = max(0, min(s.num_tokens, len(prompt) - 1 - s.start_position))
+        targets = torch.tensor(prompt[s.start_position + 1:s.start_position + 1 + count], dtype=torch.long,
+                               device=self.device)
+        top_n = s.sampling_params.prompt_logprobs or 0
+        entries: PromptEntries = []
+        for begin in range(0, count, SCORE_ROWS):
+            end = min(count, begin + SCORE_ROWS)
+            logprobs = self.model.compute_logits(hidden[first_row + begin:first_row + end]).float().log_softmax(-1)
+            chosen = logprobs.gather(1, targets[begin:end, None])[:, 0].tolist()
+            top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+            for j, token in enumerate(targets[begin:end].tolist()):
+                entry = {token: chosen[j]}
+                if top_values is not None and top_ids is not None:
+                    for t, v in zip(top_ids[j].tolist(), top_values[j].tolist()):
+                        entry.setdefault(t, v)
+                entries.append(entry)
+        return s.start_position + 1, entries
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -192,20 +227,23 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if plan.is_empty:
             return ModelRunnerOutput({})
-        sampled, logits = self.compute_logits(plan)
+        sampled, logits, prompt_logprobs = self._run(plan)
         if logits is None:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
         if plan.grammar_bitmask is not None:
             # as in vLLM, before the sampler: logprobs are those of the constrained distribution
             apply_bitmask(logits, self._structured_rows(sampled), plan.grammar_bitmask)
         if any(s.num_spec_tokens for s in sampled):
-            return self._verify(sampled, logits)
+            verified = self._verify(sampled, logits)
+            verified.prompt_logprobs = prompt_logprobs
+            return verified
         rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._row_generator(s),
                             s.banned_token_ids) for s in sampled]
         result = self.sampler(logits, rows)
         return ModelRunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(sampled, result.token_ids)},
             logprobs={s.request_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None},
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health, /metrics."""
 
 from __future__ import annotations
 
@@ -31,11 +31,13 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats_logger import DEFAULT_INTERVAL_S, LoggingStatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import in_passing_thread
+from tokenmill.server.errors import APIError
 from tokenmill.server.lifecycle import GracefulServer, ShuttingDownError
 from tokenmill.server.metrics import EngineMetrics
 from tokenmill.server.middleware import RequestGate, ServerState, error_body
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder
+from tokenmill.server.tokenizer_api import add_tokenizer_routes
 from tokenmill.server.tools import forced_call_constraint, prepare_conversation
 
 logger = logging.getLogger("tokenmill.server")
@@ -60,20 +62,13 @@ class ServerOptions:
     # tool_choice "auto": parse the model's own tool calls (vLLM's flags; the parser reads Hermes blocks)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info: special tokens and the chat template
     step_trace: str | None = None  # a file for one JSON line per model step (tokenmill sim calibrate reads it)
     data_parallel_size: int = 1  # engine-core processes, each with its own model copy, KV pool and scheduler
     router: str = "prefix-aware"  # which replica gets a request (data parallel)
     distributed_executor_backend: str = "mp"  # where the engine cores run: "mp" (local processes) or "ray"
     disaggregated: str | None = None  # "xPyD": x prefill engines and y decode engines instead of colocated ones
     kv_transport: str = "shm"  # how KV moves between them: "shm" (one host) or "tcp"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, err_type: str = "invalid_request_error",
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.err_type, self.param = status, message, err_type, param
-        self.headers = headers or {}
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -240,6 +235,9 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
             "max_model_len": llm.max_model_len,
         }]}
 
+    add_tokenizer_routes(app, tokenizer, llm.max_model_len, check_api_key, check_model,
+                         options.enable_tokenizer_info_endpoint)
+
     def submit(request_id: str, prompt: Any, params: Any, priority: int) -> RequestStream:
         try:
             return llm.add_request(request_id, prompt, params, priority, strict_max_tokens=True)
@@ -302,10 +300,12 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         check_model(body.model)
-        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs, body.constraint()))
+        params = _params(lambda: body.sampling_params(body.engine_max_tokens, body.logprobs, body.constraint(),
+                                                      body.scored_prompt_logprobs))
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]
         builder = ResponseBuilder("completion", model_name, tokenizer, len(prompts), params.n,
-                                  logprobs=body.logprobs, request_id=http_request.state.request_id)
+                                  logprobs=body.logprobs, request_id=http_request.state.request_id, echo=body.echo,
+                                  drop_generated=body.max_tokens == 0, prompt_logprobs=body.prompt_logprobs)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await serve(builder, prompts, params, body.priority, body.stream, include_usage, http_request)
 

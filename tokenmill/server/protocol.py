@@ -108,7 +108,8 @@ class _SamplingFields(BaseModel):
         return given[0] if given else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+                        constraint: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -126,6 +127,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
             structured_outputs=constraint,
@@ -134,9 +136,10 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt in front of the completion (with its logprobs when logprobs is set)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each choice's prompt_logprobs
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -157,9 +160,21 @@ class CompletionRequest(_SamplingFields):
     def _unsupported(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo, which returns the prompt)")
         return self
+
+    @property
+    def scored_prompt_logprobs(self) -> int | None:
+        """The engine's prompt_logprobs: asked for directly, or what echo with logprobs hands back."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def engine_max_tokens(self) -> int | None:
+        """max_tokens 0 still samples one token after the prompt (the engine's unit of work); it is dropped."""
+        return 1 if self.max_tokens == 0 else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

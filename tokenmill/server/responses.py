@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,12 +22,28 @@ class ChoiceState:
     stop_reason: int | str | None = None
     logprobs_sent: int = 0
     tool_calls: ToolCallStreamer | None = None  # streaming with tools: splits the text into content and calls
+    echoed: bool = False  # echo, streaming: the prompt went out in front of the first delta
+
+
+@dataclass
+class EchoedPrompt:
+    """A completion prompt handed back in front of its completions (`echo`)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None  # from SamplingParams.prompt_logprobs, the first None
 
 
 class ResponseBuilder:
     def __init__(self, kind: Literal["completion", "chat"], model: str, tokenizer: Tokenizer, num_prompts: int,
-                 n: int, logprobs: int | None, request_id: str | None = None, tool_mode: str = "none") -> None:
+                 n: int, logprobs: int | None, request_id: str | None = None, tool_mode: str = "none",
+                 echo: bool = False, drop_generated: bool = False, prompt_logprobs: int | None = None) -> None:
         self.kind = kind
+        # completions: `echo` puts each prompt in front of its completions; `drop_generated` (max_tokens 0)
+        # keeps the prompt only (the engine still sampled one token, which nobody asked for)
+        self.echo = echo
+        self.drop_generated = drop_generated
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field in each choice
         # auto / required / named: the output may hold tool calls (none: it is all content)
         self.tool_mode = tool_mode
         self.model = model
@@ -40,14 +57,23 @@ class ResponseBuilder:
                         for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
+        self.prompts: list[EchoedPrompt | None] = [None] * num_prompts
 
     # ------------------------------------------------------------------ state
 
     def update(self, prompt_index: int, output: RequestOutput) -> list[tuple[int, CompletionOutput]]:
         self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
         self.cached_tokens[prompt_index] = output.num_cached_tokens
+        if self.prompts[prompt_index] is None or output.prompt_logprobs is not None:
+            text = output.prompt
+            if text is None:
+                text = self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
+            self.prompts[prompt_index] = EchoedPrompt(text, list(output.prompt_token_ids), output.prompt_logprobs)
         changed = []
         for completion in output.outputs:
+            if self.drop_generated:
+                completion.text, completion.token_ids, completion.logprobs = "", [], None
+                completion.delta_text, completion.delta_token_ids = "", []
             index = prompt_index * self.n + completion.index
             state = self.choices[index]
             state.text = completion.text
@@ -87,16 +113,52 @@ class ResponseBuilder:
                                       "bytes": list(self._token(t).encode("utf-8"))} for t, lp in top],
                 })
             return {"content": content}
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+        return self._legacy_logprobs(entries, top_n, text_offset)
+
+    def _legacy_logprobs(self, entries: Sequence[tuple[int, dict[int, float] | None]], top_n: int,
+                         text_offset: int) -> dict[str, Any]:
+        """OpenAI's completions shape; a token without an entry (a prompt's first) has null logprobs."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         offset = text_offset
         for token_id, entry in entries:
             token = self._token(token_id)
             tokens.append(token)
-            token_logprobs.append(entry[token_id])
-            tops.append({self._token(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]})
+            token_logprobs.append(None if entry is None else entry[token_id])
+            tops.append(None if entry is None else
+                        {self._token(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]})
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _echo_logprobs(self, prompt: EchoedPrompt, completion: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The prompt's logprobs in front of a completion's (echo with logprobs)."""
+        if self.top_logprobs is None:
+            return None
+        entries = prompt.logprobs or [None] * len(prompt.token_ids)
+        echoed = self._legacy_logprobs(list(zip(prompt.token_ids, entries)), self.top_logprobs, 0)
+        if completion is not None:
+            for key in echoed:
+                echoed[key].extend(completion[key])
+        return echoed
+
+    def _vllm_prompt_logprobs(self, prompt: EchoedPrompt | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs` of a choice: per prompt token {token id: {logprob, rank, decoded_token}}
+        (rank given for the top-N, which are ranked)."""
+        if self.prompt_logprobs is None or prompt is None or prompt.logprobs is None:
+            return None
+        result: list[dict[str, Any] | None] = []
+        for entry in prompt.logprobs:
+            if entry is None:
+                result.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+            result.append({str(t): {"logprob": lp, "decoded_token": self._token(t),
+                                    **({"rank": rank} if rank <= self.prompt_logprobs else {})}
+                           for rank, (t, lp) in enumerate(ranked, 1)})
+        return result
 
     # ------------------------------------------------------------------ bodies
 
@@ -116,8 +178,17 @@ class ResponseBuilder:
                 choices.append({"index": index, "message": message, "logprobs": logprobs,
                                 "finish_reason": finish_reason, "stop_reason": state.stop_reason})
             else:
-                choices.append({"index": index, "text": state.text, "logprobs": logprobs,
-                                "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
+                prompt = self.prompts[index // self.n]
+                text = state.text
+                if self.echo and prompt is not None:
+                    text = prompt.text + text
+                    logprobs = self._echo_logprobs(prompt, self._logprobs(state, 0, len(state.token_ids),
+                                                                          len(prompt.text)))
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason,
+                          "stop_reason": state.stop_reason}
+                if self.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
+                choices.append(choice)
         return {"id": self.response_id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
 
@@ -142,7 +213,10 @@ class ResponseBuilder:
         for index, completion in self.update(prompt_index, output):
             state = self.choices[index]
             end = len(state.token_ids)
-            logprobs = self._logprobs(state, state.logprobs_sent, end, len(state.text) - len(completion.delta_text))
+            prompt = self.prompts[index // self.n]
+            echoed = len(prompt.text) if self.echo and prompt is not None else 0  # text in front of the completion
+            logprobs = self._logprobs(state, state.logprobs_sent, end,
+                                      echoed + len(state.text) - len(completion.delta_text))
             state.logprobs_sent = end
             if self.kind == "chat":
                 finish_reason = completion.finish_reason
@@ -156,8 +230,16 @@ class ResponseBuilder:
                     finish_reason = self._finish_reason(finish_reason, state.tool_calls.called)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
-                choice = {"index": index, "text": completion.delta_text, "logprobs": logprobs,
-                          "finish_reason": completion.finish_reason}
+                text = completion.delta_text
+                first = prompt is not None and not state.echoed
+                if first and self.echo:  # the prompt goes out once, in front of the first delta
+                    assert prompt is not None
+                    text = prompt.text + text
+                    logprobs = self._echo_logprobs(prompt, logprobs)
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+                if first and self.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
+                state.echoed = state.echoed or first
             if completion.finish_reason:
                 choice["stop_reason"] = completion.stop_reason
             chunks.append(self._chunk([choice], include_usage))
