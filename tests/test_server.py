@@ -309,6 +309,9 @@ def test_admission_control_api_key_and_graceful_shutdown() -> None:
         assert httpx.get(url + "/v1/models").status_code == 401
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/v1/models", headers={"x-api-key": "secret"}).status_code == 200  # Anthropic's header
+        denied = httpx.post(url + "/v1/messages", json={}, headers={"x-api-key": "wrong"})
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
         headers = {"Authorization": "Bearer secret"}
 
         async def flood() -> list[httpx.Response]:

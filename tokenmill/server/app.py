@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import os
 import re
@@ -13,7 +12,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +30,16 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats_logger import DEFAULT_INTERVAL_S, LoggingStatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import in_passing_thread
+from tokenmill.server.anthropic_api import ANTHROPIC_PATH, add_messages_routes, anthropic_error_body
 from tokenmill.server.errors import APIError
 from tokenmill.server.lifecycle import GracefulServer, ShuttingDownError
 from tokenmill.server.metrics import EngineMetrics
 from tokenmill.server.middleware import RequestGate, ServerState, error_body
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
-from tokenmill.server.responses import ResponseBuilder
+from tokenmill.server.responses import ResponseBuilder, StreamBuilder
+from tokenmill.server.serving import Serving, tool_constraint
 from tokenmill.server.tokenizer_api import add_tokenizer_routes
-from tokenmill.server.tools import forced_call_constraint, prepare_conversation
+from tokenmill.server.tools import prepare_conversation
 
 logger = logging.getLogger("tokenmill.server")
 T = TypeVar("T")
@@ -186,25 +187,33 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     app.state.server_state = state
     app.add_middleware(RequestGate, state=state, max_body_bytes=options.max_request_body_bytes)
 
+    def error_for(request: Request, status: int, message: str, err_type: str = "invalid_request_error",
+                  param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+        """The error in the shape of the API the request called."""
+        if request.url.path.startswith(ANTHROPIC_PATH):
+            return JSONResponse(anthropic_error_body(message, err_type), status_code=status, headers=headers)
+        return error_response(status, message, err_type, param, headers)
+
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(400, message, param=param)
+        return error_for(request, 400, message, param=param)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_for(request, exc.status, exc.message, exc.err_type, exc.param, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), err_type)
+        return error_for(request, exc.status_code, str(exc.detail), err_type)
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {api_key}":
+        # OpenAI clients send a bearer token, Anthropic clients x-api-key
+        if request.headers.get("authorization", "") != f"Bearer {api_key}" and \
+                request.headers.get("x-api-key") != api_key:
             raise APIError(401, "invalid or missing API key", "authentication_error")
 
     def check_model(requested: str | None) -> None:
@@ -256,8 +265,8 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
             logger.info("finished request %s: %s, %d prompt + %d generated tokens", request_id, reasons,
                         len(output.prompt_token_ids), generated)
 
-    async def serve(builder: ResponseBuilder, prompts: list[Any], params: Any, priority: int, stream: bool,
-                    include_usage: bool, http_request: Request) -> Response:
+    async def serve(builder: StreamBuilder, prompts: list[Any], params: Any, priority: int, stream: bool,
+                    http_request: Request) -> Response:
         # Submit every prompt before awaiting any, closing them all if one is rejected. Engine request ids
         # derive from the response id (so from X-Request-Id), made unique if a client reuses one.
         streams: list[RequestStream] = []
@@ -280,7 +289,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         deadline = None if options.request_timeout is None else time.monotonic() + options.request_timeout
         merged = _merge(streams, on_finished, deadline)
         if stream:
-            return StreamingResponse(_sse(builder, merged, include_usage), media_type="text/event-stream")
+            return StreamingResponse(_sse(builder, merged), media_type="text/event-stream")
 
         async def collect() -> dict[str, Any]:
             async for index, output in merged:
@@ -306,8 +315,21 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         builder = ResponseBuilder("completion", model_name, tokenizer, len(prompts), params.n,
                                   logprobs=body.logprobs, request_id=http_request.state.request_id, echo=body.echo,
                                   drop_generated=body.max_tokens == 0, prompt_logprobs=body.prompt_logprobs)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await serve(builder, prompts, params, body.priority, body.stream, include_usage, http_request)
+        builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await serve(builder, prompts, params, body.priority, body.stream, http_request)
+
+    def encode_chat(conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        try:
+            messages, template_vars = prepare_conversation(conversation, tools, tokenizer.chat_template)
+            return tokenizer.encode_chat(messages, add_generation_prompt, **template_vars)
+        except Exception as exc:  # a template that rejects the conversation
+            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+
+    serving = Serving(model_name, tokenizer, llm.max_model_len, serve, encode_chat,
+                      options.enable_auto_tool_choice and options.tool_call_parser is not None, check_api_key,
+                      check_model)
+    add_messages_routes(app, serving)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
@@ -315,33 +337,18 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs or 0
         tool_mode = body.tool_mode
-        if tool_mode == "auto" and not (options.enable_auto_tool_choice and options.tool_call_parser):
-            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-                                'set', param="tool_choice")
+        serving.check_tool_mode(tool_mode)
         tools = body.tool_definitions()
-
-        def constraint() -> Any:
-            requested = body.constraint()
-            if tool_mode not in ("required", "named"):
-                return requested
-            if requested is not None:
-                raise ValueError("a forced tool call cannot be combined with another structured outputs constraint")
-            named = body.tool_choice.function.name if tool_mode == "named" else None  # type: ignore[union-attr]
-            return forced_call_constraint(tools, named, body.parallel_tool_calls)
-
-        params = _params(lambda: body.sampling_params(max_tokens, top if body.logprobs else None, constraint()))
-        try:
-            messages, template_vars = prepare_conversation(body.conversation(), tools,
-                                                           tokenizer.chat_template)
-            prompt_ids = tokenizer.encode_chat(messages, body.add_generation_prompt, **template_vars)
-        except Exception as exc:  # a template that rejects the conversation
-            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+        named = body.tool_choice.function.name if tool_mode == "named" else None  # type: ignore[union-attr]
+        params = _params(lambda: body.sampling_params(max_tokens, top if body.logprobs else None, tool_constraint(
+            tool_mode, tools, named, body.parallel_tool_calls, body.constraint())))
+        prompt_ids = encode_chat(body.conversation(), tools, body.add_generation_prompt)
         builder = ResponseBuilder("chat", model_name, tokenizer, 1, params.n,
                                   logprobs=top if body.logprobs else None, request_id=http_request.state.request_id,
                                   tool_mode=tool_mode)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,
-                           include_usage, http_request)
+                           http_request)
 
     return app
 
@@ -393,23 +400,22 @@ async def _merge(streams: list[RequestStream], on_finished: Callable[[str, Reque
             stream.close()
 
 
-async def _sse(builder: ResponseBuilder, merged: AsyncIterator[tuple[int, RequestOutput]],
-               include_usage: bool) -> AsyncIterator[str]:
+async def _sse(builder: StreamBuilder, merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     try:
-        for chunk in builder.opening_chunks(include_usage):
-            yield f"data: {json.dumps(chunk)}\n\n"
+        for event in builder.opening_events():
+            yield event
         async for index, output in merged:
-            for chunk in builder.delta_chunks(index, output, include_usage):
-                yield f"data: {json.dumps(chunk)}\n\n"
-        if include_usage:
-            yield f"data: {json.dumps(builder.usage_chunk())}\n\n"
-    except Exception as exc:  # the stream has started: the error goes in an event, then [DONE] as usual
+            for event in builder.delta_events(index, output):
+                yield event
+        closing = builder.closing_events()
+    except Exception as exc:  # the stream has started: the error goes in an event (the API's own shape)
         err = as_api_error(exc)
         logger.warning("request %s failed mid-stream: %d %s", builder.response_id, err.status, err.message)
-        yield f"data: {json.dumps(error_body(err.status, err.message, err.err_type, err.param))}\n\n"
+        closing = builder.error_events(err)
     finally:
         await merged.aclose()  # type: ignore[attr-defined]
-    yield "data: [DONE]\n\n"
+    for event in closing:
+        yield event
 
 
 def parse_disaggregated(spec: str) -> tuple[int, int]:

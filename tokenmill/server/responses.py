@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.server.errors import APIError
+from tokenmill.server.middleware import error_body
 from tokenmill.server.tools import ToolCallStreamer, parse_tool_calls
 
 
@@ -32,6 +35,28 @@ class EchoedPrompt:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None  # from SamplingParams.prompt_logprobs, the first None
+
+
+class StreamBuilder(Protocol):
+    """What the server needs of an API's response shapes: the whole body, or its stream as SSE events."""
+
+    response_id: str
+
+    def update(self, prompt_index: int, output: RequestOutput) -> object: ...
+
+    def final(self) -> dict[str, Any]: ...
+
+    def opening_events(self) -> list[str]: ...
+
+    def delta_events(self, prompt_index: int, output: RequestOutput) -> list[str]: ...
+
+    def closing_events(self) -> list[str]: ...
+
+    def error_events(self, error: APIError) -> list[str]: ...
+
+
+def sse_data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 class ResponseBuilder:
@@ -57,6 +82,7 @@ class ResponseBuilder:
                         for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
+        self.include_usage = False  # stream_options.include_usage
         self.prompts: list[EchoedPrompt | None] = [None] * num_prompts
 
     # ------------------------------------------------------------------ state
@@ -255,3 +281,17 @@ class ResponseBuilder:
         return {"id": self.response_id,
                 "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
+
+    # ------------------------------------------------------------------ SSE: data lines, then [DONE]
+
+    def opening_events(self) -> list[str]:
+        return [sse_data(c) for c in self.opening_chunks(self.include_usage)]
+
+    def delta_events(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        return [sse_data(c) for c in self.delta_chunks(prompt_index, output, self.include_usage)]
+
+    def closing_events(self) -> list[str]:
+        return ([sse_data(self.usage_chunk())] if self.include_usage else []) + ["data: [DONE]\n\n"]
+
+    def error_events(self, error: APIError) -> list[str]:
+        return [sse_data(error_body(error.status, error.message, error.err_type, error.param)), "data: [DONE]\n\n"]

@@ -1,0 +1,57 @@
+"""What an API module (Anthropic Messages, Responses, tokenizer endpoints) needs of the server: the model's
+name and tokenizer, the chat template with tools, and one call that runs prompts through the engine and
+answers with the module's own body or event stream."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError
+from tokenmill.server.responses import StreamBuilder
+from tokenmill.server.tools import forced_call_constraint
+from tokenmill.structured_output.params import StructuredOutputsParams
+
+# (builder, prompts, params, priority, stream, the HTTP request) -> the response
+ServeFn = Callable[[StreamBuilder, list[Any], SamplingParams, int, bool, Request], Awaitable[Response]]
+
+
+@dataclass
+class Serving:
+    model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    serve: ServeFn
+    # messages in the chat API's shape, tool definitions -> prompt token ids (APIError 400 if the template fails)
+    encode_chat: Callable[[list[dict[str, Any]], Sequence[dict[str, Any]]], list[int]]
+    auto_tool_choice: bool  # --enable-auto-tool-choice with a --tool-call-parser: "auto" can parse calls
+    check_api_key: Callable[..., Any]
+    check_model: Callable[[str | None], None]
+
+    def check_tool_mode(self, tool_mode: str, param: str = "tool_choice") -> None:
+        if tool_mode == "auto" and not self.auto_tool_choice:
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                'set', param=param)
+
+
+def tool_constraint(tool_mode: str, tools: Sequence[dict[str, Any]], named: str | None, parallel: bool,
+                    requested: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+    """The grammar of a forced call (tool mode required or named), or the request's own constraint."""
+    if tool_mode not in ("required", "named"):
+        return requested
+    if requested is not None:
+        raise ValueError("a forced tool call cannot be combined with another structured outputs constraint")
+    return forced_call_constraint(tools, named if tool_mode == "named" else None, parallel)
+
+
+def params_or_400(make: Callable[[], SamplingParams]) -> SamplingParams:
+    try:
+        return make()
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
