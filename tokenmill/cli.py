@@ -131,6 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
         step_trace=args.step_trace, data_parallel_size=args.data_parallel_size, router=args.router,
         distributed_executor_backend=args.distributed_executor_backend, disaggregated=args.disaggregated,
         kv_transport=args.kv_transport, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        responses_store_size=args.responses_store_size,
     )
     return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
                       log_level=args.log_level)
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="GET /tokenizer_info: the special tokens and chat template (lm-evaluation-harness's "
                             "remote tokenizer reads it)")
+    serve.add_argument("--responses-store-size", type=int, default=1000,
+                       help="Responses API: how many stored responses previous_response_id can continue (in memory, "
+                            "least recently used evicted first; 0 stores none)")
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="engine-core processes, each with its own model copy and KV cache; the CPUs are split "
                             "between them")

@@ -37,6 +37,7 @@ from tokenmill.server.metrics import EngineMetrics
 from tokenmill.server.middleware import RequestGate, ServerState, error_body
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder, StreamBuilder
+from tokenmill.server.responses_api import DEFAULT_STORE_SIZE, ResponseStore, add_responses_routes
 from tokenmill.server.serving import Serving, tool_constraint
 from tokenmill.server.tokenizer_api import add_tokenizer_routes
 from tokenmill.server.tools import prepare_conversation
@@ -64,6 +65,7 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info: special tokens and the chat template
+    responses_store_size: int = DEFAULT_STORE_SIZE  # Responses API: stored responses (LRU) for previous_response_id
     step_trace: str | None = None  # a file for one JSON line per model step (tokenmill sim calibrate reads it)
     data_parallel_size: int = 1  # engine-core processes, each with its own model copy, KV pool and scheduler
     router: str = "prefix-aware"  # which replica gets a request (data parallel)
@@ -330,6 +332,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                       options.enable_auto_tool_choice and options.tool_call_parser is not None, check_api_key,
                       check_model)
     add_messages_routes(app, serving)
+    add_responses_routes(app, serving, ResponseStore(options.responses_store_size))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:

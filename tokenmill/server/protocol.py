@@ -278,12 +278,14 @@ class ChatCompletionRequest(_SamplingFields):
         return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
 
     def conversation(self) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.tool_calls:
-                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            messages.append(message)
-        return messages
+        return [message_dict(m) for m in self.messages]
+
+
+def message_dict(m: ChatMessage) -> dict[str, Any]:
+    """A chat message as the chat template reads it."""
+    message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.server.errors import APIError
-from tokenmill.server.protocol import ChatMessage, ChatTool
+from tokenmill.server.protocol import ChatMessage, ChatTool, message_dict
 from tokenmill.server.tools import prepare_conversation
 
 
@@ -54,8 +54,7 @@ def add_tokenizer_routes(app: FastAPI, tokenizer: Tokenizer, max_model_len: int,
         check_model(body.model)
         if body.messages is not None:
             tools = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
-            conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                            for m in body.messages]
+            conversation = [message_dict(m) for m in body.messages]
             try:
                 messages, template_vars = prepare_conversation(conversation, tools, tokenizer.chat_template)
                 text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, **template_vars)
