@@ -156,8 +156,8 @@ def main() -> None:
             # summed; 32 streams as `--repeats` pairs of runs, of which the pair with the median ratio is shown.
             groups = [[p] for p in prompts[:args.single_prompts]] if not together else [prompts] * args.repeats
             scheduler = speculative.core.scheduler
-            before = (scheduler.total_spec_drafts, scheduler.total_spec_draft_tokens,
-                      scheduler.total_spec_accepted_tokens)
+            before = (scheduler.spec.drafts, scheduler.spec.draft_tokens,
+                      scheduler.spec.accepted_tokens)
             runs = [(run(plain, group, args.max_tokens, together), run(speculative, group, args.max_tokens, together))
                     for group in groups]
             if together:
@@ -167,9 +167,9 @@ def main() -> None:
                 base, spec_run = (Run(*(sum(getattr(r[i], f) for r in runs)
                                         for f in ("seconds", "tokens", "decode_seconds", "decode_tokens")))
                                   for i in (0, 1))
-            drafts = scheduler.total_spec_drafts - before[0]
-            drafted = scheduler.total_spec_draft_tokens - before[1]
-            accepted = scheduler.total_spec_accepted_tokens - before[2]
+            drafts = scheduler.spec.drafts - before[0]
+            drafted = scheduler.spec.draft_tokens - before[1]
+            accepted = scheduler.spec.accepted_tokens - before[2]
             base_rate, spec_rate = base.tokens / base.seconds, spec_run.tokens / spec_run.seconds
             # a single stream's decoding speed (what its reader sees after the first token; prompts are not
             # sped up): tokens after the first over the time from the first token to the last

@@ -14,8 +14,8 @@ import sys
 from dataclasses import replace
 
 from tokenmill.cli import main
-from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenmill.core.scheduler import EngineCoreOutput, Scheduler
+from tokenmill.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor.model_runner import ModelRunner
 
 POISON_STEP = 49100

@@ -125,7 +125,7 @@ def test_int8_speculation_and_structured_outputs_work_for_every_family(family: t
         "method": "draft_model", "model": str(path), "quantization": "int8", "num_speculative_tokens": 3})
     outputs = speculating.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected, name
-    assert speculating.engine.core.scheduler.total_spec_accepted_tokens > 0
+    assert speculating.engine.core.scheduler.spec.accepted_tokens > 0
     # "v" (no token spells it) keeps a first byte from being forced: the word-level test vocabulary cannot
     # tokenize a forced lone "w"
     choice = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"choice": ["w7w9", "w5w3", "v"]})

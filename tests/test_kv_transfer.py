@@ -167,6 +167,10 @@ def test_prefill_engine_hands_prompts_to_a_decode_engine_with_identical_greedy_o
         replica.launch()
     transfers: dict[str, int] = {}  # engine request -> KV bytes moved
 
+    scoring = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    [colocated] = llm.generate(prompts[-1], scoring)
+    scored = []
+
     async def run() -> list[str]:
         front = AsyncLLM(engines[0].processor, engines[0].output_processor, replicas,
                          make_router("prefix-aware", 2, 16))
@@ -181,9 +185,11 @@ def test_prefill_engine_hands_prompts_to_a_decode_engine_with_identical_greedy_o
 
         texts = list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[:-1]))))
         texts.append(await one(len(prompts) - 1, prompts[-1]))  # after its twin: a prefix hit on the decode side
+        # prompt logprobs come from the prefill engine, with the decode engine's first output
+        scored.extend([out async for out in front.generate("scored", prompts[-1], scoring)][-1:])
         # closed right after the hand-off: nothing may stay behind
         stream = front.add_request("gone", prompts[0], SamplingParams(max_tokens=200, ignore_eos=True))
-        while front._handoffs.get("gone") is None or front._handoffs["gone"].decode_at is None:
+        while front.handoffs.inflight.get("gone") is None or front.handoffs.inflight["gone"].decode_at is None:
             await asyncio.sleep(0.005)
         stream.close()
         await asyncio.sleep(0.3)
@@ -193,6 +199,11 @@ def test_prefill_engine_hands_prompts_to_a_decode_engine_with_identical_greedy_o
     try:
         texts = asyncio.run(run())
         assert texts == expected
+        assert scored[0].prompt_logprobs is not None and colocated.prompt_logprobs is not None
+        assert len(scored[0].prompt_logprobs) == len(colocated.prompt_logprobs) == len(colocated.prompt_token_ids)
+        for a, b in zip(scored[0].prompt_logprobs[1:], colocated.prompt_logprobs[1:]):
+            assert a is not None and b is not None and a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
         assert {f"p{i}" for i in range(len(prompts))} <= set(transfers)  # ("gone" may not have loaded)
         # the second pirate prompt found the shared blocks in the decode engine's cache: fewer bytes moved
         first, second = transfers[f"p{len(prompts) - 2}"], transfers[f"p{len(prompts) - 1}"]

@@ -15,7 +15,7 @@ import pytest
 
 from tests.fault_server import POISON_FATAL, POISON_STEP
 from tests.server_utils import live_server
-from tokenmill.core.scheduler import SchedulerStats
+from tokenmill.core.outputs import SchedulerStats
 from tokenmill.engine.core import StepRecord
 from tokenmill.engine.stats_logger import LoggingStatLogger
 from tokenmill.sampling_params import SamplingParams

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.core.scheduler import EngineCoreOutput
+from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams

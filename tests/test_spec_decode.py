@@ -13,8 +13,7 @@ from tests.conftest import CHAT_PROMPTS, LONG_PARAGRAPH, PLAIN_PROMPTS
 from tests.engine_utils import run_engine
 from tests.server_utils import live_server
 from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import SchedulerOutput
-from tokenmill.core.scheduler import SchedulerStats
+from tokenmill.core.outputs import SchedulerOutput, SchedulerStats
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
@@ -204,7 +203,7 @@ def test_greedy_speculation_is_token_identical_alone_and_batched(loaded_model, t
         for prompt, expected in list(zip(prompts, reference))[-4:]:
             assert _run(engine, [prompt], params)[0].token_ids == expected.token_ids
     scheduler = engine.core.scheduler
-    assert 0 < scheduler.total_spec_accepted_tokens < scheduler.total_spec_draft_tokens
+    assert 0 < scheduler.spec.accepted_tokens < scheduler.spec.draft_tokens
 
 
 def test_speculation_under_chunked_prefill_prefix_hits_and_preemption(loaded_model, tokenizer, prompts,  # noqa: ANN001
@@ -242,7 +241,7 @@ def test_stops_eos_and_max_tokens_inside_accepted_runs(loaded_model, tokenizer, 
             for a, b in zip(got.logprobs, expected.logprobs):
                 for token in a:
                     assert a[token] == pytest.approx(b[token], abs=1e-4)
-    assert spec.core.scheduler.total_spec_accepted_tokens > 20
+    assert spec.core.scheduler.spec.accepted_tokens > 20
 
 
 def test_seeded_sampling_with_speculation_is_reproducible_and_abort_frees_blocks(loaded_model, tokenizer,  # noqa: ANN001
@@ -292,7 +291,7 @@ def test_draft_model_int8_drafting_for_float32_target_is_token_identical(loaded_
     outs = _run(engine, prompts, SamplingParams(max_tokens=40, temperature=0))
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     scheduler = engine.core.scheduler
-    assert scheduler.total_spec_accepted_tokens > 0.8 * scheduler.total_spec_draft_tokens > 0
+    assert scheduler.spec.accepted_tokens > 0.8 * scheduler.spec.draft_tokens > 0
     draft = engine.core.proposer.draft
     assert not draft.states and draft.pool.num_free_blocks == draft.pool.num_blocks
     # sampling with a draft: seeded and reproducible, and an abort mid-run frees the target's blocks

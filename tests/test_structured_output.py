@@ -201,7 +201,7 @@ def test_speculation_on_constrained_requests_is_token_identical(loaded_model, to
     expected = run(engine, prompts, params)
     got = run(spec, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    assert spec.core.scheduler.total_spec_accepted_tokens > 0
+    assert spec.core.scheduler.spec.accepted_tokens > 0
 
 
 def test_grammars_compile_once_and_off_the_step_loop(loaded_model, tokenizer) -> None:  # noqa: ANN001

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,3 +64,38 @@ class ModelRunnerOutput:
     # prompt logprobs of this step's prompt chunks: request id -> (the position of the first token they score,
     # one entry per scored prompt token)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did to one request: new tokens and, at the end, why it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a producer's saved KV, for the decode engine
+    prompt_logprobs: list[dict[int, float]] | None = None  # with the first token: prompt tokens 1.. scored
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    kv_tokens: int = 0  # tokens whose KV is held by running requests
+    kv_reserved_tokens: int = 0  # slots in the blocks those requests hold
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_generated_tokens: int = 0  # sampled this step (set after the step)
+    num_padding_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    # speculative decoding, this step (set after the step): proposals verified, their tokens, accepted ones
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_rejections: int = 0  # proposals not accepted in full
+    spec_accepted_per_pos: list[int] = field(default_factory=list)

@@ -15,15 +15,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.grammar_waits import GrammarWaits
 from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit
-from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from tokenmill.core.remote_kv import RemoteKVLoads
 from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
+from tokenmill.core.spec_counts import SpecDecodeCounts
 from tokenmill.request import Request, RequestStatus
-from tokenmill.spec_decode.proposer import record_verification
 from tokenmill.structured_output.backend import Grammar
 from tokenmill.structured_output.manager import StructuredOutputManager
 
@@ -48,60 +54,13 @@ def check_request_fits(request: Request, max_model_len: int, kv_capacity_tokens:
     request.max_total_tokens = limit
 
 
-@dataclass
-class EngineCoreOutput:
-    """What one step did to one request: new tokens and, at the end, why it finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # a producer's saved KV, for the decode engine
-    prompt_logprobs: list[dict[int, float]] | None = None  # with the first token: prompt tokens 1.. scored
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    kv_tokens: int = 0  # tokens whose KV is held by running requests
-    kv_reserved_tokens: int = 0  # slots in the blocks those requests hold
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_generated_tokens: int = 0  # sampled this step (set after the step)
-    num_padding_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    # speculative decoding, this step (set after the step): proposals verified, their tokens, accepted ones
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_rejections: int = 0  # proposals not accepted in full
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
-
-
-class KVLoader(Protocol):
-    """Fetches a request's remote KV into its blocks in the background (the engine core's, disaggregated)."""
-
-    def start(self, request: Request, first_block: int, block_ids: list[int]) -> None: ...
-
-    def skip(self, request: Request) -> None:
-        """Nothing to fetch (the prefix cache had it): reported done at the next poll."""
-
-    def poll(self) -> list[tuple[str, str | None, int, float]]:
-        """Loads done since the last poll: (request id, error or None, bytes, seconds)."""
-        ...
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 reasoning_end_ids: Sequence[int] | None = None) -> None:
         self.config = config
-        self.structured_output = structured_output
+        self.grammars = GrammarWaits(structured_output, reasoning_end_ids)
         self.kv = kv
         self.max_model_len = max_model_len
         self.clock = clock
@@ -113,23 +72,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_plan: list[str] = []
         self._outputs_since_plan: list[EngineCoreOutput] = []  # requests the core ended outside a step's update
-        self.compiling: list[Request] = []  # waiting requests whose grammar is not compiled yet
-        # structured requests not yet admitted whose compilation has not been seen to succeed (arrival order):
-        # the only ones a step must look at, however long the waiting queue
-        self._unsettled: dict[str, Request] = {}
         self.total_preemptions = 0
-        self.total_spec_drafts = 0
-        self.total_spec_draft_tokens = 0
-        self.total_spec_accepted_tokens = 0
+        self.spec = SpecDecodeCounts()  # speculative decoding: verifications since the start
         self.last_stats = SchedulerStats()
         # Disaggregation hooks, set by the engine core: a request about to free its blocks (a producer saves its
         # prompt's KV), and a request admitted with remote KV (a consumer loads it into these blocks, from this
         # block of the prompt on; returns an error message or None). Failed loads are collected here.
         self.finish_hook: Callable[[Request], None] | None = None
-        self.kv_loader: KVLoader | None = None
-        self.loading: dict[str, tuple[Request, PrefixHit]] = {}  # admitted, blocks held, KV still arriving
-        self.kv_load_failures: list[tuple[str, str]] = []
-        self.kv_loaded: list[tuple[str, int, float]] = []  # (request, bytes, seconds) not yet reported
+        self.remote_kv: RemoteKVLoads | None = None  # a consumer's requests whose KV is arriving
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -137,12 +87,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_request(request)
-        constraint = request.sampling_params.structured_outputs
-        if constraint is not None:
-            if self.structured_output is None:
-                raise ValueError("structured outputs are not available in this engine")
-            request.structured = self.structured_output.start(constraint)
-            self._unsettled[request.request_id] = request
+        self.grammars.add(request)
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -206,7 +151,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         if self.loading:
-            self._finish_loads()
+            self._start_loaded()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: list[Request] = []
@@ -221,11 +166,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if request.spec_token_ids and request.structured is not None:
-                grammar = request.structured.grammar
-                assert grammar is not None
-                # a proposal the grammar rejects would be rejected anyway: do not verify it
-                request.spec_token_ids = request.spec_token_ids[:grammar.valid_prefix(request.spec_token_ids)]
+            self.grammars.trim_proposals(request)
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
             if num_new <= 0:
                 continue
@@ -248,34 +189,13 @@ class Scheduler:
         # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last; those whose
         # grammar is still compiling step aside without holding up the others.
         if not preempted:
-            self._set_aside_compiling()
+            for request in self.grammars.set_aside(self.waiting):  # their grammar failed to compile
+                self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
+                self._outputs_since_plan.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
             budget = self._admit_waiting(budget, num_scheduled)
-            for request in reversed(self.compiling):
-                self.waiting.push_front(request)
+            self.grammars.restore(self.waiting)
 
         return self._build_plan(num_scheduled, padding, preempted)
-
-    def _set_aside_compiling(self) -> None:
-        """Take out of the waiting queue the requests whose grammar is still compiling (kept in `compiling`, put
-        back after admission) and those whose compilation failed (aborted)."""
-        self.compiling = []
-        failed = []
-        for request_id, request in list(self._unsettled.items()):
-            assert request.structured is not None
-            if request.status != RequestStatus.WAITING:  # aborted before its grammar was ready
-                del self._unsettled[request_id]
-            elif not request.structured.ready:
-                self.compiling.append(request)
-            else:
-                del self._unsettled[request_id]
-                if request.structured.failure:
-                    failed.append(request)
-        for request in self.compiling + failed:
-            self.waiting.remove(request)
-        for request in failed:
-            logger.error("request %s: %s", request.request_id, request.structured.failure)  # type: ignore[union-attr]
-            self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
-            self._outputs_since_plan.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
         mode = self.config.batching
@@ -290,9 +210,10 @@ class Scheduler:
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting.peek()
             hit = self.kv.find_cached_prefix(request)
-            if request.kv_transfer_params is not None and self.kv_loader is not None:
-                if not self._admit_with_remote_kv(request, hit):
+            if request.kv_transfer_params is not None and self.remote_kv is not None:
+                if not self.remote_kv.admit(request, hit):
                     break
+                self.waiting.pop()
                 continue
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget:
@@ -308,49 +229,24 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _admit_with_remote_kv(self, request: Request, hit: PrefixHit) -> bool:
-        """Admit a request whose prompt another engine computed: allocate its blocks and start loading the KV of
-        the prompt positions the prefix cache lacks; steps go on meanwhile. False when it must wait (no room
-        yet: it waits here, nothing half-transferred)."""
-        assert self.kv_loader is not None
-        remote = request.num_tokens - 1  # positions whose KV comes from the producer
-        if self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit, cache=False) is None:
-            return False
-        self.waiting.pop()
-        self.loading[request.request_id] = (request, hit)
-        if remote > hit.num_tokens:
-            block_size = self.kv.block_size
-            first_block = hit.num_tokens // block_size
-            block_ids = self.kv.block_table(request.request_id)[first_block:-(-remote // block_size)]
-            self.kv_loader.start(request, first_block, block_ids)
-        else:  # the prefix cache had all of it
-            self.kv_loader.skip(request)
-        return True
+    @property
+    def loading(self) -> dict[str, tuple[Request, PrefixHit]]:
+        return self.remote_kv.loading if self.remote_kv is not None else {}
 
-    def _finish_loads(self) -> None:
+    def _start_loaded(self) -> None:
         """Requests whose KV has arrived start running, computing only the last prompt token, which samples the
         first output token here (as in vLLM's disaggregation: the producer's own token is dropped, so sampling,
         seeds included, happens where it would colocated). A failed load ends its request with the error."""
-        assert self.kv_loader is not None
-        for request_id, error, nbytes, seconds in self.kv_loader.poll():
-            request, hit = self.loading.pop(request_id)
-            request.kv_transfer_params = None  # loaded: a preemption now recomputes it like any request
-            if request.is_finished:  # aborted while its KV was being written
-                self.kv.free(request_id)
-                continue
-            if error is not None:
-                self.kv.free(request_id)
-                request.status = RequestStatus.FINISHED_ABORTED
-                request.times.finished = self.clock()
-                del self.requests[request_id]
-                self._finished_since_plan.append(request_id)
-                self.kv_load_failures.append((request_id, error))
-                continue
-            remote = request.num_tokens - 1
-            self.kv.cache_full_blocks(request, remote)
-            self.kv_loaded.append((request_id, nbytes, seconds))
+        assert self.remote_kv is not None
+        ready, failed = self.remote_kv.finished()
+        for request in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.times.finished = self.clock()
+            del self.requests[request.request_id]
+            self._finished_since_plan.append(request.request_id)
+        for request, hit in ready:
             self._start_running(request, hit)
-            request.num_computed_tokens = max(remote, hit.num_tokens)
+            request.num_computed_tokens = max(request.num_tokens - 1, hit.num_tokens)
 
     def _form_batch(self, budget: int, num_scheduled: dict[str, int]) -> int:
         """Dynamic/static: take up to max_num_seqs waiting requests as the next batch."""
@@ -418,7 +314,7 @@ class Scheduler:
             # proposed tokens ride after the known ones, as far as the budget let them
             num_spec = max(0, start + num_new - request.num_tokens)
             sample = start + num_new >= request.num_tokens
-            grammar = request.structured.grammar if request.structured is not None else None
+            grammar = self.grammars.active_grammar(request)
             if grammar is not None and sample:
                 grammar_rows.append((grammar, request.spec_token_ids[:num_spec]))
             scheduled.append(ScheduledRequest(
@@ -452,8 +348,7 @@ class Scheduler:
         plan = SchedulerOutput(scheduled, prefill_tokens, decode_tokens,
                                [r.request_id for r in preempted], finished)
         if grammar_rows:
-            assert self.structured_output is not None
-            plan.grammar_bitmask = self.structured_output.grammar_bitmask(grammar_rows)
+            plan.grammar_bitmask = self.grammars.grammar_bitmask(grammar_rows)  # type: ignore[assignment]
         self.last_stats = self._stats(plan, len(padding), len(preempted))
         return plan
 
@@ -505,7 +400,7 @@ class Scheduler:
             if scheduled.num_spec_tokens:
                 # the KV of rejected proposals is stale: those positions get computed again
                 request.num_computed_tokens -= scheduled.num_spec_tokens - len(accepted)
-                self._record_acceptance(request, scheduled.num_spec_tokens, len(accepted), stats)
+                self.spec.record(request, scheduled.num_spec_tokens, len(accepted), stats)
             request.spec_token_ids = []
             request.resumed_without_progress = False
             times = request.times
@@ -524,7 +419,7 @@ class Scheduler:
                 out.new_token_ids.append(token)
                 status = self._check_stop(request, token)
                 if status is None and request.structured is not None:
-                    status = self._advance_grammar(request, token)
+                    status = self.grammars.advance(request, token)
                 if status is not None:
                     self.running.remove(request)
                     self._finish(request, status)
@@ -533,33 +428,6 @@ class Scheduler:
                     break
             outputs.append(out)
         return outputs
-
-    def _record_acceptance(self, request: Request, num_proposed: int, num_accepted: int,
-                           stats: SchedulerStats) -> None:
-        self.total_spec_drafts += 1
-        self.total_spec_draft_tokens += num_proposed
-        self.total_spec_accepted_tokens += num_accepted
-        stats.spec_num_drafts += 1
-        stats.spec_num_draft_tokens += num_proposed
-        stats.spec_num_accepted_tokens += num_accepted
-        stats.spec_num_rejections += num_accepted < num_proposed
-        if len(stats.spec_accepted_per_pos) < num_proposed:
-            stats.spec_accepted_per_pos.extend([0] * (num_proposed - len(stats.spec_accepted_per_pos)))
-        for pos in range(num_accepted):
-            stats.spec_accepted_per_pos[pos] += 1
-        record_verification(request, num_proposed, num_accepted)
-
-    @staticmethod
-    def _advance_grammar(request: Request, token: int) -> RequestStatus | None:
-        """Feed an emitted token to the request's grammar: a complete grammar ends the request (its EOS need not
-        be generated); a token the grammar rejects (only possible if the mask was bypassed) aborts it."""
-        grammar = request.structured.grammar  # type: ignore[union-attr]
-        assert grammar is not None
-        if not grammar.accept(token):
-            logger.error("request %s: token %d does not match its grammar: %s", request.request_id, token,
-                         grammar.error)
-            return RequestStatus.FINISHED_ABORTED
-        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.scheduler import EngineCoreOutput
 from tokenmill.engine.core import StepRecord
 from tokenmill.engine.core_loop import CoreDeath, CoreReport
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
@@ -30,7 +29,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, model_limits
 from tokenmill.engine.replica import Message, ProcessReplica, Replica, ReplicaExit, ThreadReplica, cpu_share
 from tokenmill.kv_transfer.connector import discard
-from tokenmill.kv_transfer.handoff import Handoff, decode_copy, prefill_copy
+from tokenmill.kv_transfer.handoff import Handoffs
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request
 from tokenmill.router.policy import Decision, Router, make_router
@@ -98,7 +97,8 @@ class AsyncLLM:
             self.decode_router = make_router(self.router.name, len(replicas), processor.config.block_size)
             self.router.excluded = {r.index for r in replicas if r.role != "producer"}
             self.decode_router.excluded = {r.index for r in replicas if r.role != "consumer"}
-        self._handoffs: dict[str, Handoff] = {}  # engine request -> its prefill/decode hand-off
+        self.handoffs = Handoffs(replicas, self._submit_decode, lambda child: self.output_processor.request(child)
+                                 is not None, self._discard_later)
         self.max_waiting_requests = max_waiting_requests or processor.config.max_waiting_requests
         self._loads = [_Load() for _ in replicas]
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -261,17 +261,21 @@ class AsyncLLM:
         offset = time.monotonic() - info.clock if info is not None and info.hostname != _HOSTNAME else 0.0
         core_outputs = report.outputs
         if replica.role == "producer":
-            core_outputs = self._hand_off(replica, core_outputs)
+            core_outputs = self.handoffs.from_producer(index, core_outputs)
+        elif replica.role == "consumer":
+            core_outputs = self.handoffs.from_consumer(core_outputs)
         for sync in report.syncs:
-            if replica.role == "producer" and sync.request_id in self._handoffs:
+            if replica.role == "producer" and sync.request_id in self.handoffs:
                 continue  # the decode engine's timestamps are the request's
             request = self.output_processor.request(sync.request_id)
             if request is not None:
                 sync.apply(request, offset)
         if report.kv_loaded:
-            self._on_kv_loaded(report.kv_loaded)
+            for transfer in self.handoffs.kv_loaded(report.kv_loaded):
+                for listener in self.transfer_listeners:
+                    listener(*transfer)
         if report.failed and replica.role == "consumer":
-            self._release_kv(report.failed)
+            self.handoffs.release_kv(report.failed)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self._send_each("finish", stopped)
@@ -307,7 +311,7 @@ class AsyncLLM:
         failed = [child for child, i in self._replica_of.items() if i == replica.index]
         logger.error("engine core %d is down (%s): failing its %d requests", replica.index, reason, len(failed))
         if replica.role == "consumer":
-            self._release_kv(failed)
+            self.handoffs.release_kv(failed)
         self._fail_requests(failed, error)
         for listener in self.replica_listeners:
             listener(replica)
@@ -392,9 +396,8 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._parents.update((child.request_id, request_id) for child in children)
         self.output_processor.add(request_id, text, token_ids, children)
-        if self.disaggregated:  # the prompt runs on a prefill engine first (see _hand_off)
-            self._handoffs.update((child.request_id, Handoff(child)) for child in children)
-            self._submit(self.router, [prefill_copy(child) for child in children], token_ids)
+        if self.disaggregated:  # the prompt runs on a prefill engine first (kv_transfer/handoff.py)
+            self._submit(self.router, self.handoffs.start(children), token_ids)
         else:
             self._submit(self.router, children, token_ids)
         return RequestStream(self, request_id, children, queue)
@@ -413,52 +416,9 @@ class AsyncLLM:
             each.set_load(index, load.total_tokens())
         return index
 
-    def _hand_off(self, producer: Replica, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """A prefill engine's outputs: a finished prompt goes on to a decode engine with where its KV is; its
-        token is dropped (the decode engine samples the first token itself). Returns the other outputs."""
-        kept = []
-        for out in outputs:
-            handoff = self._handoffs.get(out.request_id)
-            if handoff is None or handoff.decode_at is not None:
-                kept.append(out)
-                continue
-            if out.kv_transfer_params is None:  # aborted on the prefill engine: nothing to hand over
-                continue
-            handoff.producer = producer.index
-            handoff.prefill_done = time.monotonic()
-            handoff.kv_transfer_params = out.kv_transfer_params
-            if self.output_processor.request(out.request_id) is None:  # closed meanwhile
-                producer.send("release", [out.request_id])
-                self._handoffs.pop(out.request_id, None)
-                continue
-            decode = decode_copy(handoff.request, out.kv_transfer_params)
-            assert self.decode_router is not None
-            handoff.decode_at = self._submit(self.decode_router, [decode], decode.prompt_token_ids)
-        return kept
-
-    def _on_kv_loaded(self, loaded: list[tuple[str, int, float]]) -> None:
-        now = time.monotonic()
-        for request_id, nbytes, seconds in loaded:
-            handoff = self._handoffs.get(request_id)
-            handoff_seconds = now - handoff.prefill_done if handoff is not None else 0.0
-            for listener in self.transfer_listeners:
-                listener(request_id, nbytes, seconds, handoff_seconds)
-        self._release_kv([request_id for request_id, _, _ in loaded])
-
-    def _release_kv(self, child_ids: list[str]) -> None:
-        """Tell the prefill engines holding these requests' saved KV to drop it."""
-        by_producer: dict[int, list[str]] = {}
-        for child_id in child_ids:
-            handoff = self._handoffs.get(child_id)
-            if handoff is not None and handoff.producer is not None and not handoff.released:
-                handoff.released = True
-                by_producer.setdefault(handoff.producer, []).append(child_id)
-                params = handoff.kv_transfer_params or {}
-                if params.get("transport") == "shm":  # the producer removes it; this, should the producer die
-                    self._discard_later(params["path"])
-        for index, ids in by_producer.items():
-            if self.replicas[index].state == "up":
-                self.replicas[index].send("release", ids)
+    def _submit_decode(self, request: Request) -> int:
+        assert self.decode_router is not None
+        return self._submit(self.decode_router, [request], request.prompt_token_ids)
 
     def _discard_later(self, path: str) -> None:
         """Remove a shared-memory KV file in case its producer could not, later and off the event loop: the
@@ -496,10 +456,9 @@ class AsyncLLM:
         if not finished:
             self.abort(request_id, children)
         ids = [child.request_id for child in children]
-        self._release_kv(ids)
+        self.handoffs.forget(ids)
         for child_id in ids:
             self._replica_of.pop(child_id, None)
-            self._handoffs.pop(child_id, None)
 
     def abort(self, request_id: str, children: list[Request] | None = None) -> None:
         ids = [c.request_id for c in children] if children else self.output_processor.child_ids(request_id)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.outputs import SchedulerOutput
-from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from tokenmill.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from tokenmill.core.remote_kv import RemoteKVLoads
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor.model_runner import Executor
 from tokenmill.kv_transfer.connector import KVBlocks, KVConnector, make_connector
 from tokenmill.kv_transfer.loader import BackgroundKVLoader
@@ -47,12 +47,13 @@ class ModelStepError(RuntimeError):
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 reasoning_end_ids: Sequence[int] | None = None) -> None:
         self.config = config
         self.executor = executor
         self.clock = clock
         self.kv = KVCacheManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, max_model_len, clock, structured_output)
+        self.scheduler = Scheduler(config, self.kv, max_model_len, clock, structured_output, reasoning_end_ids)
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = Proposer(spec, config, executor.num_kv_blocks) if spec is not None else None
         self.num_steps = 0
@@ -67,7 +68,7 @@ class EngineCore:
                 self.scheduler.finish_hook = self._save_kv
             else:
                 self.kv_loader = BackgroundKVLoader(self.connector, executor)
-                self.scheduler.kv_loader = self.kv_loader
+                self.scheduler.remote_kv = RemoteKVLoads(self.kv, self.kv_loader)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -86,9 +87,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty and self.scheduler.loading and self.kv_loader is not None:
             self.kv_loader.wait(IDLE_WAIT_S)  # only KV transfers in flight: wait for one, do not spin
-        if plan.is_empty and self.scheduler.compiling:  # do not spin while the grammar worker needs the CPU
-            concurrent.futures.wait([r.structured.pending for r in self.scheduler.compiling  # type: ignore[union-attr]
-                                     ], IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+        if plan.is_empty:  # do not spin while the grammar worker needs the CPU
+            self.scheduler.grammars.wait_for_one(IDLE_WAIT_S)
         try:
             output = self.executor.execute(plan)
         except Exception as exc:

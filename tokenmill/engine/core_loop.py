@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.core.block_pool import KVEvent
-from tokenmill.core.scheduler import EngineCoreOutput
+from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.engine.core import EngineCore, ModelStepError, StepRecord
 from tokenmill.request import Request, RequestStatus
 
@@ -187,13 +187,15 @@ class CoreLoop:
             core.kv.pool.events = []
         if record is not None and not self.send_plans:
             record = StepRecord(record.step, record.seconds, record.stats, None, record.started)
-        load_failures = core.scheduler.kv_load_failures
-        if load_failures:  # a consumer could not fetch these requests' KV: they fail like a failed step's
-            core.scheduler.kv_load_failures = []
-            self._untrack([request_id for request_id, _ in load_failures])
-            failed = (failed or []) + [request_id for request_id, _ in load_failures]
-            error = load_failures[0][1]
-        kv_loaded, core.scheduler.kv_loaded = core.scheduler.kv_loaded, []
+        remote_kv = core.scheduler.remote_kv
+        kv_loaded: list[tuple[str, int, float]] = []
+        if remote_kv is not None:
+            load_failures, remote_kv.failures = remote_kv.failures, []
+            if load_failures:  # a consumer could not fetch these requests' KV: they fail like a failed step's
+                self._untrack([request_id for request_id, _ in load_failures])
+                failed = (failed or []) + [request_id for request_id, _ in load_failures]
+                error = load_failures[0][1]
+            kv_loaded, remote_kv.loaded = remote_kv.loaded, []
         self.publish(CoreReport(
             outputs, record, running, waiting, kv_usage, core.load_tokens(), self.acked, events or [],
             self._syncs(outputs) if self.mirror_requests else [], failed or [], error,

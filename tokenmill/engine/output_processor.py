@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.core.scheduler import EngineCoreOutput
+from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.request import Request

@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import SchedulerOutput
+from tokenmill.core.outputs import SchedulerOutput, SchedulerStats
 from tokenmill.request import Request
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import propose_ngram
-
-if TYPE_CHECKING:  # the scheduler imports record_verification from here
-    from tokenmill.core.scheduler import SchedulerStats
 
 # b / a before the engine has timed steps of different sizes (measured here: ~0.05 with int8 linears on 2 cores)
 PRIOR_ROW_COST_RATIO = 0.05

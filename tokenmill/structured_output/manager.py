@@ -30,6 +30,7 @@ class StructuredOutputRequest:
         self._compiled = compiled
         self.grammar: Grammar | None = None
         self.failure: str | None = None
+        self.reasoning = False  # the output is still inside its reasoning: the grammar waits (core/grammar_waits.py)
 
     @property
     def ready(self) -> bool:

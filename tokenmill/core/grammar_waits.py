@@ -1,0 +1,115 @@
+"""Structured requests in the scheduler: those waiting for their grammar to compile step aside without holding
+up the queue; running ones have their grammar advanced by each emitted token and mask their sampled rows.
+
+With a reasoning parser, a request's grammar applies only after its reasoning ends (the reasoning-end token
+sequence was emitted): the reasoning itself is free text, as in vLLM."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+
+from tokenmill.core.request_queue import RequestQueue
+from tokenmill.request import Request, RequestStatus
+from tokenmill.structured_output.backend import Grammar
+from tokenmill.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarWaits:
+    def __init__(self, manager: StructuredOutputManager | None,
+                 reasoning_end_ids: Sequence[int] | None = None) -> None:
+        self.manager = manager
+        # the token ids that end a reasoning block (e.g. "</think>"); None: no reasoning parser
+        self.reasoning_end_ids = list(reasoning_end_ids) if reasoning_end_ids else None
+        self.compiling: list[Request] = []  # waiting requests whose grammar is not compiled yet
+        # structured requests not yet admitted whose compilation has not been seen to succeed (arrival order):
+        # the only ones a step must look at, however long the waiting queue
+        self._unsettled: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            return
+        if self.manager is None:
+            raise ValueError("structured outputs are not available in this engine")
+        request.structured = self.manager.start(constraint)
+        # as vLLM's reasoning parsers judge it: reasoning has ended once its end sequence is in the sequence
+        end = self.reasoning_end_ids
+        request.structured.reasoning = end is not None and not _contains(request.prompt_token_ids, end)
+        self._unsettled[request.request_id] = request
+
+    def set_aside(self, waiting: RequestQueue) -> list[Request]:
+        """Take out of the waiting queue the requests whose grammar is still compiling (kept in `compiling`, put
+        back by `restore` after admission) and those whose compilation failed (returned: the caller aborts
+        them)."""
+        self.compiling = []
+        failed = []
+        for request_id, request in list(self._unsettled.items()):
+            assert request.structured is not None
+            if request.status != RequestStatus.WAITING:  # aborted before its grammar was ready
+                del self._unsettled[request_id]
+            elif not request.structured.ready:
+                self.compiling.append(request)
+            else:
+                del self._unsettled[request_id]
+                if request.structured.failure:
+                    logger.error("request %s: %s", request.request_id, request.structured.failure)
+                    failed.append(request)
+        for request in self.compiling + failed:
+            waiting.remove(request)
+        return failed
+
+    def restore(self, waiting: RequestQueue) -> None:
+        for request in reversed(self.compiling):
+            waiting.push_front(request)
+
+    def wait_for_one(self, timeout: float) -> None:
+        """Nothing else to run: block until a compilation finishes (or `timeout`), rather than spin."""
+        if self.compiling:
+            concurrent.futures.wait([r.structured.pending for r in self.compiling  # type: ignore[union-attr]
+                                     ], timeout, concurrent.futures.FIRST_COMPLETED)
+
+    @staticmethod
+    def active_grammar(request: Request) -> Grammar | None:
+        """The grammar that masks this request's next token: none before its reasoning ends."""
+        structured = request.structured
+        if structured is None or structured.reasoning:
+            return None
+        return structured.grammar
+
+    def trim_proposals(self, request: Request) -> None:
+        """A proposal the grammar rejects would be rejected anyway: do not verify it."""
+        grammar = self.active_grammar(request)
+        if request.spec_token_ids and grammar is not None:
+            request.spec_token_ids = request.spec_token_ids[:grammar.valid_prefix(request.spec_token_ids)]
+
+    def grammar_bitmask(self, rows: list[tuple[Grammar, Sequence[int]]]) -> object:
+        assert self.manager is not None
+        return self.manager.grammar_bitmask(rows)
+
+    def advance(self, request: Request, token: int) -> RequestStatus | None:
+        """Feed an emitted token to the request's grammar: a complete grammar ends the request (its EOS need not
+        be generated); a token the grammar rejects (only possible if the mask was bypassed) aborts it. While
+        the request reasons, the token only counts towards the end of its reasoning."""
+        structured = request.structured
+        assert structured is not None
+        if structured.reasoning:
+            end = self.reasoning_end_ids or []
+            if request.output_token_ids[-len(end):] == end:
+                structured.reasoning = False  # the answer starts with the next token
+            return None
+        grammar = structured.grammar
+        assert grammar is not None
+        if not grammar.accept(token):
+            logger.error("request %s: token %d does not match its grammar: %s", request.request_id, token,
+                         grammar.error)
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
+
+
+def _contains(tokens: Sequence[int], run: Sequence[int]) -> bool:
+    n = len(run)
+    return any(list(tokens[i:i + n]) == list(run) for i in range(len(tokens) - n + 1))
