@@ -20,6 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template itself) instead of the model's")
+    g.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                   help="split the <think> block of a reasoning model's output from its answer (reasoning_content)")
     g.add_argument("--device", default=defaults.device)
     g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "float16", "bfloat16"])
     g.add_argument("--quantization", "-q", default=defaults.quantization,
@@ -50,7 +52,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from tokenmill.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, chat_template=args.chat_template, device=args.device, dtype=args.dtype,
+        model=args.model, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
+        device=args.device, dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,

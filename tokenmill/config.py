@@ -93,6 +93,9 @@ class EngineConfig:
     model: str | None = None
     # a Jinja chat template (a file or the template itself) instead of the model's (vLLM's --chat-template)
     chat_template: str | None = None
+    # splits a reasoning model's <think> block from its answer (vLLM's --reasoning-parser: deepseek_r1, qwen3);
+    # the engine starts a request's structured-output grammar after the block
+    reasoning_parser: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     # Linear-layer weights (model/quant.py): "auto" picks the fastest mode this machine supports at start-up;

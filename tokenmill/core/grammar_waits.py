@@ -20,10 +20,10 @@ logger = logging.getLogger(__name__)
 
 class GrammarWaits:
     def __init__(self, manager: StructuredOutputManager | None,
-                 reasoning_end_ids: Sequence[int] | None = None) -> None:
+                 reasoning_tags: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         self.manager = manager
-        # the token ids that end a reasoning block (e.g. "</think>"); None: no reasoning parser
-        self.reasoning_end_ids = list(reasoning_end_ids) if reasoning_end_ids else None
+        # the token ids that start and end a reasoning block ("<think>", "</think>"); None: no reasoning parser
+        self.reasoning_tags = (list(reasoning_tags[0]), list(reasoning_tags[1])) if reasoning_tags else None
         self.compiling: list[Request] = []  # waiting requests whose grammar is not compiled yet
         # structured requests not yet admitted whose compilation has not been seen to succeed (arrival order):
         # the only ones a step must look at, however long the waiting queue
@@ -36,9 +36,12 @@ class GrammarWaits:
         if self.manager is None:
             raise ValueError("structured outputs are not available in this engine")
         request.structured = self.manager.start(constraint)
-        # as vLLM's reasoning parsers judge it: reasoning has ended once its end sequence is in the sequence
-        end = self.reasoning_end_ids
-        request.structured.reasoning = end is not None and not _contains(request.prompt_token_ids, end)
+        # as vLLM's reasoning parsers judge it: the output starts inside reasoning unless the prompt closed its
+        # last block (a template that turns thinking off writes an empty one)
+        tags = self.reasoning_tags
+        if tags is not None:
+            prompt = request.prompt_token_ids
+            request.structured.reasoning = not _last(prompt, tags[1]) > _last(prompt, tags[0])
         self._unsettled[request.request_id] = request
 
     def set_aside(self, waiting: RequestQueue) -> list[Request]:
@@ -97,7 +100,8 @@ class GrammarWaits:
         structured = request.structured
         assert structured is not None
         if structured.reasoning:
-            end = self.reasoning_end_ids or []
+            assert self.reasoning_tags is not None
+            end = self.reasoning_tags[1]
             if request.output_token_ids[-len(end):] == end:
                 structured.reasoning = False  # the answer starts with the next token
             return None
@@ -110,6 +114,7 @@ class GrammarWaits:
         return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 
 
-def _contains(tokens: Sequence[int], run: Sequence[int]) -> bool:
+def _last(tokens: Sequence[int], run: Sequence[int]) -> int:
+    """Where `run` last occurs in `tokens` (-1: nowhere)."""
     n = len(run)
-    return any(list(tokens[i:i + n]) == list(run) for i in range(len(tokens) - n + 1))
+    return next((i for i in range(len(tokens) - n, -1, -1) if list(tokens[i:i + n]) == list(run)), -1)

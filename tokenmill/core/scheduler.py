@@ -58,9 +58,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic,
                  structured_output: StructuredOutputManager | None = None,
-                 reasoning_end_ids: Sequence[int] | None = None) -> None:
+                 reasoning_tags: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         self.config = config
-        self.grammars = GrammarWaits(structured_output, reasoning_end_ids)
+        self.grammars = GrammarWaits(structured_output, reasoning_tags)
         self.kv = kv
         self.max_model_len = max_model_len
         self.clock = clock

@@ -48,12 +48,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic,
                  structured_output: StructuredOutputManager | None = None,
-                 reasoning_end_ids: Sequence[int] | None = None) -> None:
+                 reasoning_tags: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         self.config = config
         self.executor = executor
         self.clock = clock
         self.kv = KVCacheManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, max_model_len, clock, structured_output, reasoning_end_ids)
+        self.scheduler = Scheduler(config, self.kv, max_model_len, clock, structured_output, reasoning_tags)
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = Proposer(spec, config, executor.num_kv_blocks) if spec is not None else None
         self.num_steps = 0

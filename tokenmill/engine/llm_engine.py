@@ -16,6 +16,7 @@ from tokenmill.executor.model_runner import Executor, ModelRunner
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.outputs import RequestOutput
+from tokenmill.reasoning import reasoning_parser
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -28,7 +29,10 @@ class LLMEngine:
                  cache_salt_of: Callable[[int], int] | None = None) -> None:
         self.config = config
         self.structured_output = StructuredOutputManager(tokenizer.backend, vocab_size, eos_token_ids)
-        self.core = EngineCore(config, executor, max_model_len, clock, self.structured_output)
+        parser = reasoning_parser(config.reasoning_parser)
+        reasoning_tags = None if parser is None else (tokenizer.encode(parser.start, add_special_tokens=False),
+                                                      tokenizer.encode(parser.end, add_special_tokens=False))
+        self.core = EngineCore(config, executor, max_model_len, clock, self.structured_output, reasoning_tags)
         self.output_processor = OutputProcessor(tokenizer)
         self.processor = InputProcessor(config, tokenizer, max_model_len, eos_token_ids, vocab_size,
                                         self.core.kv.num_blocks * self.core.kv.block_size, self.structured_output,

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.outputs import RequestOutput
+from tokenmill.reasoning import ReasoningParser, ReasoningStreamer
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.serving import Serving, params_or_400, tool_constraint
@@ -212,7 +213,8 @@ class MessagesBuilder:
     """A Message body, or its stream: message_start, then each content block's start / deltas / stop, then
     message_delta (stop_reason, usage) and message_stop."""
 
-    def __init__(self, model: str, prompt_tokens: int, tool_mode: str, stop_sequences: list[str]) -> None:
+    def __init__(self, model: str, prompt_tokens: int, tool_mode: str, stop_sequences: list[str],
+                 reasoning: ReasoningParser | None = None) -> None:
         self.response_id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -223,6 +225,8 @@ class MessagesBuilder:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.streamer = ToolCallStreamer() if tool_mode != "none" else None
+        self.reasoning = reasoning  # the <think> block becomes a thinking block in front of the answer
+        self.thoughts = ReasoningStreamer(reasoning) if reasoning is not None else None
         self.blocks = 0  # content blocks started
         self.open_block: str | None = None  # "text" or "tool_use"
         self.called = False
@@ -249,13 +253,18 @@ class MessagesBuilder:
     def final(self) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
         text: str | None = self.text
+        thinking = None
+        if self.reasoning is not None:
+            thinking, text = self.reasoning.split(self.text)
         if self.tool_mode != "none":
-            text, calls = parse_tool_calls(self.text)
+            text, calls = parse_tool_calls(text or "")
             self.called = bool(calls)
             content += [{"type": "tool_use", "id": _tool_use_id(), "name": c.name, "input": json.loads(c.arguments)}
                         for c in calls]
         if text or not content:
             content.insert(0, {"type": "text", "text": text or ""})
+        if thinking is not None:
+            content.insert(0, {"type": "thinking", "thinking": thinking, "signature": ""})
         stop_reason, stop_sequence = self._stop()
         return {"id": self.response_id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -291,13 +300,27 @@ class MessagesBuilder:
                                                      "delta": {"type": "text_delta", "text": text}}))
         return events
 
+    def _thinking(self, thought: str) -> list[str]:
+        if not thought:
+            return []
+        events = [] if self.open_block == "thinking" else self._start(
+            "thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        events.append(_event("content_block_delta", {"index": self.blocks - 1,
+                                                     "delta": {"type": "thinking_delta", "thinking": thought}}))
+        return events
+
     def delta_events(self, prompt_index: int, output: RequestOutput) -> list[str]:
         delta = output.outputs[0].delta_text
         self.update(prompt_index, output)
+        final = self.finish_reason is not None
+        events: list[str] = []
+        if self.thoughts is not None:
+            thought, delta = self.thoughts.feed(delta, final)
+            events += self._thinking(thought)
         if self.streamer is None:
-            return self._text(delta)
-        content, calls = self.streamer.feed(delta, final=self.finish_reason is not None)
-        events = self._text(content)
+            return events + self._text(delta)
+        content, calls = self.streamer.feed(delta, final=final)
+        events += self._text(content)
         for call in calls:
             if "id" in call:  # a new call: its name is known
                 self.called = True
@@ -345,7 +368,8 @@ def add_messages_routes(app: FastAPI, serving: Serving) -> None:
         params = params_or_400(lambda: body.sampling_params(tool_constraint(tool_mode, tools, named, parallel,
                                                                             body.constraint())))
         prompt_ids = prompt_of(body)
-        builder = MessagesBuilder(serving.model_name, len(prompt_ids), tool_mode, list(body.stop_sequences or []))
+        builder = MessagesBuilder(serving.model_name, len(prompt_ids), tool_mode, list(body.stop_sequences or []),
+                                  serving.reasoning)
         return await serving.serve(builder, [{"prompt_token_ids": prompt_ids}], params, 0, body.stream, http_request)
 
     @app.post(ANTHROPIC_PATH + "/count_tokens", dependencies=[Depends(serving.check_api_key)])

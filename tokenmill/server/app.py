@@ -30,6 +30,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats_logger import DEFAULT_INTERVAL_S, LoggingStatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import in_passing_thread
+from tokenmill.reasoning import reasoning_parser
 from tokenmill.server.anthropic_api import ANTHROPIC_PATH, add_messages_routes, anthropic_error_body
 from tokenmill.server.errors import APIError
 from tokenmill.server.lifecycle import GracefulServer, ShuttingDownError
@@ -330,7 +331,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
 
     serving = Serving(model_name, tokenizer, llm.max_model_len, serve, encode_chat,
                       options.enable_auto_tool_choice and options.tool_call_parser is not None, check_api_key,
-                      check_model)
+                      check_model, reasoning_parser(llm.config.reasoning_parser))
     add_messages_routes(app, serving)
     add_responses_routes(app, serving, ResponseStore(options.responses_store_size))
 
@@ -348,7 +349,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         prompt_ids = encode_chat(body.conversation(), tools, body.add_generation_prompt)
         builder = ResponseBuilder("chat", model_name, tokenizer, 1, params.n,
                                   logprobs=top if body.logprobs else None, request_id=http_request.state.request_id,
-                                  tool_mode=tool_mode)
+                                  tool_mode=tool_mode, reasoning=serving.reasoning)
         builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,
                            http_request)

@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol
 
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.reasoning import ReasoningParser, ReasoningStreamer
 from tokenmill.server.errors import APIError
 from tokenmill.server.middleware import error_body
 from tokenmill.server.tools import ToolCallStreamer, parse_tool_calls
@@ -26,6 +27,7 @@ class ChoiceState:
     logprobs_sent: int = 0
     tool_calls: ToolCallStreamer | None = None  # streaming with tools: splits the text into content and calls
     echoed: bool = False  # echo, streaming: the prompt went out in front of the first delta
+    reasoning: ReasoningStreamer | None = None  # a reasoning parser: splits the text into reasoning and answer
 
 
 @dataclass
@@ -62,8 +64,10 @@ def sse_data(payload: dict[str, Any]) -> str:
 class ResponseBuilder:
     def __init__(self, kind: Literal["completion", "chat"], model: str, tokenizer: Tokenizer, num_prompts: int,
                  n: int, logprobs: int | None, request_id: str | None = None, tool_mode: str = "none",
-                 echo: bool = False, drop_generated: bool = False, prompt_logprobs: int | None = None) -> None:
+                 echo: bool = False, drop_generated: bool = False, prompt_logprobs: int | None = None,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.kind = kind
+        self.reasoning = reasoning  # chat: the <think> block goes to reasoning_content
         # completions: `echo` puts each prompt in front of its completions; `drop_generated` (max_tokens 0)
         # keeps the prompt only (the engine still sampled one token, which nobody asked for)
         self.echo = echo
@@ -78,7 +82,8 @@ class ResponseBuilder:
         # vLLM's rule: the id is the client's X-Request-Id when it sends one
         self.response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
-        self.choices = [ChoiceState(tool_calls=ToolCallStreamer() if tool_mode != "none" else None)
+        self.choices = [ChoiceState(tool_calls=ToolCallStreamer() if tool_mode != "none" else None,
+                                    reasoning=ReasoningStreamer(reasoning) if reasoning is not None else None)
                         for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
@@ -193,13 +198,16 @@ class ResponseBuilder:
         for index, state in enumerate(self.choices):
             logprobs = self._logprobs(state, 0, len(state.token_ids), 0)
             if self.kind == "chat":
-                message: dict[str, Any] = {"role": "assistant", "content": state.text}
+                answer = state.text
+                message: dict[str, Any] = {"role": "assistant", "content": answer}
+                if self.reasoning is not None:  # tool calls and structured outputs are in the answer after it
+                    message["reasoning_content"], answer = self.reasoning.split(state.text)
+                    message["content"] = answer
                 finish_reason = state.finish_reason
                 if self.tool_mode != "none":
-                    content, calls = parse_tool_calls(state.text)
+                    content, calls = parse_tool_calls(answer)
                     if calls:
-                        message = {"role": "assistant", "content": content,
-                                   "tool_calls": [c.to_openai() for c in calls]}
+                        message.update(content=content, tool_calls=[c.to_openai() for c in calls])
                         finish_reason = self._finish_reason(finish_reason, True)
                 choices.append({"index": index, "message": message, "logprobs": logprobs,
                                 "finish_reason": finish_reason, "stop_reason": state.stop_reason})
@@ -246,14 +254,19 @@ class ResponseBuilder:
             state.logprobs_sent = end
             if self.kind == "chat":
                 finish_reason = completion.finish_reason
+                answer, thought = completion.delta_text, ""
+                if state.reasoning is not None:
+                    thought, answer = state.reasoning.feed(answer, final=finish_reason is not None)
                 if state.tool_calls is None:
-                    delta: dict[str, Any] = {"content": completion.delta_text} if completion.delta_text else {}
+                    delta: dict[str, Any] = {"content": answer} if answer else {}
                 else:
-                    content, calls = state.tool_calls.feed(completion.delta_text, final=finish_reason is not None)
+                    content, calls = state.tool_calls.feed(answer, final=finish_reason is not None)
                     delta = {"content": content} if content else {}
                     if calls:
                         delta["tool_calls"] = calls
                     finish_reason = self._finish_reason(finish_reason, state.tool_calls.called)
+                if thought:
+                    delta = {"reasoning_content": thought, **delta}
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
                 text = completion.delta_text

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.outputs import RequestOutput
+from tokenmill.reasoning import ReasoningParser, ReasoningStreamer
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.middleware import error_body
@@ -228,7 +229,7 @@ class ResponsesBuilder:
     """A Response object, or its stream of typed events (each with its sequence number)."""
 
     def __init__(self, body: ResponsesRequest, model: str, conversation: list[dict[str, Any]], prompt_tokens: int,
-                 store: ResponseStore | None) -> None:
+                 store: ResponseStore | None, reasoning: ReasoningParser | None = None) -> None:
         self.request = body
         self.response_id = _new_id("resp")
         self.model = model
@@ -243,6 +244,8 @@ class ResponsesBuilder:
         self.finish_reason: str | None = None
         self.sequence = 0
         self.streamer = ToolCallStreamer() if self.tool_mode != "none" else None
+        self.reasoning = reasoning  # the <think> block becomes a reasoning item in front of the answer
+        self.thoughts = ReasoningStreamer(reasoning) if reasoning is not None else None
         self.items: list[dict[str, Any]] = []  # streamed output items, in order
         self.open_item: dict[str, Any] | None = None
 
@@ -282,6 +285,11 @@ class ResponsesBuilder:
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
     @staticmethod
+    def _reasoning(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
+
+    @staticmethod
     def _call(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
         return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
                 "status": status}
@@ -303,9 +311,13 @@ class ResponsesBuilder:
         text: str | None = self.text
         output: list[dict[str, Any]] = []
         calls: list[ToolCall] = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(self.text)
+            if thought is not None:
+                output.append(self._reasoning(_new_id("rs"), thought))
         if self.tool_mode != "none":
-            text, calls = parse_tool_calls(self.text)
-        if text or not calls:
+            text, calls = parse_tool_calls(text or "")
+        if text or not (calls or output):
             output.append(self._message(_new_id("msg"), text or ""))
         output += [self._call(_new_id("fc"), _new_id("call"), c.name, c.arguments) for c in calls]
         return self._finish(output)
@@ -328,7 +340,7 @@ class ResponsesBuilder:
         self.items.append(item)
         index = len(self.items) - 1
         added = {**item, "status": "in_progress"}
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             added["content"] = []
         events.append(self._event("response.output_item.added", output_index=index, item=added))
         if item["type"] == "message":
@@ -341,6 +353,10 @@ class ResponsesBuilder:
         if item is None:
             return []
         index = len(self.items) - 1
+        if item["type"] == "reasoning":
+            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=item["content"][0]["text"]),
+                    self._event("response.output_item.done", output_index=index, item=item)]
         if item["type"] == "message":
             part = item["content"][0]
             return [self._event("response.output_text.done", item_id=item["id"], output_index=index,
@@ -364,13 +380,30 @@ class ResponsesBuilder:
                                   output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[]))
         return events
 
+    def _thought(self, text: str) -> list[str]:
+        if not text:
+            return []
+        events = []
+        if self.open_item is None or self.open_item["type"] != "reasoning":
+            events = self._open(self._reasoning(_new_id("rs"), ""))
+        assert self.open_item is not None
+        self.open_item["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=self.open_item["id"],
+                                  output_index=len(self.items) - 1, content_index=0, delta=text))
+        return events
+
     def delta_events(self, prompt_index: int, output: RequestOutput) -> list[str]:
         delta = output.outputs[0].delta_text
         self.update(prompt_index, output)
+        final = self.finish_reason is not None
+        events: list[str] = []
+        if self.thoughts is not None:
+            thought, delta = self.thoughts.feed(delta, final)
+            events += self._thought(thought)
         if self.streamer is None:
-            return self._text(delta)
-        content, calls = self.streamer.feed(delta, final=self.finish_reason is not None)
-        events = self._text(content)
+            return events + self._text(delta)
+        content, calls = self.streamer.feed(delta, final=final)
+        events += self._text(content)
         for call in calls:
             if "id" in call:
                 events += self._open(self._call(_new_id("fc"), _new_id("call"), call["function"]["name"], ""))
@@ -410,7 +443,7 @@ def add_responses_routes(app: FastAPI, serving: Serving, store: ResponseStore) -
         # instructions belong to this turn: a continued response does not carry earlier ones (OpenAI's rule)
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         prompt_ids = serving.encode_chat([*instructions, *conversation], tools)
-        builder = ResponsesBuilder(body, serving.model_name, conversation, len(prompt_ids), store)
+        builder = ResponsesBuilder(body, serving.model_name, conversation, len(prompt_ids), store, serving.reasoning)
         return await serving.serve(builder, [{"prompt_token_ids": prompt_ids}], params, 0, body.stream, http_request)
 
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(serving.check_api_key)])

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.reasoning import ReasoningParser
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.responses import StreamBuilder
@@ -33,6 +34,7 @@ class Serving:
     auto_tool_choice: bool  # --enable-auto-tool-choice with a --tool-call-parser: "auto" can parse calls
     check_api_key: Callable[..., Any]
     check_model: Callable[[str | None], None]
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: the <think> block is split from the answer
 
     def check_tool_mode(self, tool_mode: str, param: str = "tool_choice") -> None:
         if tool_mode == "auto" and not self.auto_tool_choice:
