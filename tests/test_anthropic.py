@@ -130,6 +130,17 @@ def test_official_client_raises_on_errors(client: anthropic.Anthropic) -> None:
         client.messages.create(model="claude-nope", max_tokens=5, messages=ASK)
 
 
+def test_metrics_count_the_endpoint(client, base_url: str) -> None:  # noqa: ANN001
+    def served() -> float:
+        text = httpx.get(base_url + "/metrics").text
+        return metric_value(text, 'tokenmill:endpoint_requests_total{endpoint="/v1/messages",model_name="{MODEL}"}'
+                            .replace("{MODEL}", MODEL)) or 0.0
+
+    before = served()
+    client.messages.create(model=MODEL, max_tokens=2, messages=ASK)
+    assert served() == before + 1
+
+
 def test_aborted_streams_leak_nothing(base_url: str) -> None:
     async def run() -> None:
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:

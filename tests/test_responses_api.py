@@ -139,6 +139,17 @@ def test_bad_requests_get_openai_errors(base_url: str, body: dict) -> None:
     assert response.json()["error"]["message"]
 
 
+def test_metrics_count_the_endpoint(client, base_url: str) -> None:  # noqa: ANN001
+    def served() -> float:
+        text = httpx.get(base_url + "/metrics").text
+        return metric_value(text, 'tokenmill:endpoint_requests_total{endpoint="/v1/responses",model_name="{MODEL}"}'
+                            .replace("{MODEL}", MODEL)) or 0.0
+
+    before = served()
+    client.responses.create(model=MODEL, input='Hi', max_output_tokens=2)
+    assert served() == before + 1
+
+
 def test_aborted_streams_leak_nothing(base_url: str) -> None:
     async def run() -> None:
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:

@@ -260,13 +260,13 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
-    def on_finished(request_id: str, output: RequestOutput) -> None:
-        metrics.on_finished(output)
+    def on_finished(endpoint: str, request_id: str, output: RequestOutput) -> None:
+        metrics.on_finished(output, endpoint)
         if options.enable_log_requests:
             reasons = ",".join(str(c.finish_reason) for c in output.outputs)
             generated = sum(len(c.token_ids) for c in output.outputs)
-            logger.info("finished request %s: %s, %d prompt + %d generated tokens", request_id, reasons,
-                        len(output.prompt_token_ids), generated)
+            logger.info("finished request %s (%s): %s, %d prompt + %d generated tokens", request_id, endpoint,
+                        reasons, len(output.prompt_token_ids), generated)
 
     async def serve(builder: StreamBuilder, prompts: list[Any], params: Any, priority: int, stream: bool,
                     http_request: Request) -> Response:
@@ -290,7 +290,8 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                 logger.info("received request %s: %d prompt tokens, %s", s.request_id,
                             len(s.children[0].prompt_token_ids), params)
         deadline = None if options.request_timeout is None else time.monotonic() + options.request_timeout
-        merged = _merge(streams, on_finished, deadline)
+        endpoint = http_request.url.path
+        merged = _merge(streams, lambda request_id, output: on_finished(endpoint, request_id, output), deadline)
         if stream:
             return StreamingResponse(_sse(builder, merged), media_type="text/event-stream")
 

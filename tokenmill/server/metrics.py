@@ -54,6 +54,8 @@ class EngineMetrics:
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated", labels, registry=r)
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
                                labels + ["finished_reason"], registry=r)
+        self.endpoint_requests = Counter("tokenmill:endpoint_requests", "Finished requests by API endpoint",
+                                         labels + ["endpoint"], registry=r)
         self.spec_drafts = Counter("tokenmill:spec_decode_num_drafts", "Speculative proposals verified", per_replica,
                                    registry=r)
         self.spec_draft_tokens = Counter("tokenmill:spec_decode_num_draft_tokens", "Proposed tokens verified",
@@ -150,8 +152,10 @@ class EngineMetrics:
         if matched_blocks:
             self.router_matched_blocks.labels(m, r).inc(matched_blocks)
 
-    def on_finished(self, output: RequestOutput) -> None:
+    def on_finished(self, output: RequestOutput, endpoint: str | None = None) -> None:
         m = self.model_name
+        if endpoint is not None:
+            self.endpoint_requests.labels(m, endpoint).inc()
         self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
         for completion, times in zip(output.outputs, output.metrics):
             self.generation_tokens.labels(m).inc(len(completion.token_ids))
