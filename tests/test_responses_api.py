@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from tests.server_utils import assert_idle_soon
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import metric_value
 from tokenmill.server.responses_api import ResponseStore
@@ -161,12 +161,4 @@ def test_aborted_streams_leak_nothing(base_url: str) -> None:
                             return
             await asyncio.gather(*(one() for _ in range(8)))
     asyncio.run(run())
-    deadline = time.monotonic() + 5.0
-    while True:
-        text = httpx.get(base_url + "/metrics").text
-        gauges = [metric_value(text, f"tokenmill:{name}") for name in
-                  ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
-        if gauges == [0, 0, 0]:
-            break
-        assert time.monotonic() < deadline, gauges
-        time.sleep(0.05)
+    assert_idle_soon(base_url)

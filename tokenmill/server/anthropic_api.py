@@ -12,11 +12,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.outputs import RequestOutput
-from tokenmill.reasoning import ReasoningParser, ReasoningStreamer
+from tokenmill.reasoning import ReasoningParser
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
+from tokenmill.server.output_parts import OutputSplitter, Part, PartEvents, split_output
 from tokenmill.server.serving import Serving, params_or_400, tool_constraint
-from tokenmill.server.tools import ToolCallStreamer, parse_tool_calls
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 ANTHROPIC_PATH = "/v1/messages"
@@ -209,7 +209,7 @@ def _tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-class MessagesBuilder:
+class MessagesBuilder(PartEvents):
     """A Message body, or its stream: message_start, then each content block's start / deltas / stop, then
     message_delta (stop_reason, usage) and message_stop."""
 
@@ -224,9 +224,8 @@ class MessagesBuilder:
         self.output_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.streamer = ToolCallStreamer() if tool_mode != "none" else None
         self.reasoning = reasoning  # the <think> block becomes a thinking block in front of the answer
-        self.thoughts = ReasoningStreamer(reasoning) if reasoning is not None else None
+        self.parts = OutputSplitter(reasoning, tool_mode != "none")
         self.blocks = 0  # content blocks started
         self.open_block: str | None = None  # "text" or "tool_use"
         self.called = False
@@ -251,16 +250,10 @@ class MessagesBuilder:
         return {"input_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}
 
     def final(self) -> dict[str, Any]:
-        content: list[dict[str, Any]] = []
-        text: str | None = self.text
-        thinking = None
-        if self.reasoning is not None:
-            thinking, text = self.reasoning.split(self.text)
-        if self.tool_mode != "none":
-            text, calls = parse_tool_calls(text or "")
-            self.called = bool(calls)
-            content += [{"type": "tool_use", "id": _tool_use_id(), "name": c.name, "input": json.loads(c.arguments)}
-                        for c in calls]
+        thinking, text, calls = split_output(self.text, self.reasoning, self.tool_mode != "none")
+        self.called = bool(calls)
+        content = [{"type": "tool_use", "id": _tool_use_id(), "name": c.name, "input": json.loads(c.arguments)}
+                   for c in calls]
         if text or not content:
             content.insert(0, {"type": "text", "text": text or ""})
         if thinking is not None:
@@ -309,28 +302,16 @@ class MessagesBuilder:
                                                      "delta": {"type": "thinking_delta", "thinking": thought}}))
         return events
 
-    def delta_events(self, prompt_index: int, output: RequestOutput) -> list[str]:
-        delta = output.outputs[0].delta_text
-        self.update(prompt_index, output)
-        final = self.finish_reason is not None
-        events: list[str] = []
-        if self.thoughts is not None:
-            thought, delta = self.thoughts.feed(delta, final)
-            events += self._thinking(thought)
-        if self.streamer is None:
-            return events + self._text(delta)
-        content, calls = self.streamer.feed(delta, final=final)
-        events += self._text(content)
-        for call in calls:
-            if "id" in call:  # a new call: its name is known
-                self.called = True
-                events += self._start("tool_use", {"type": "tool_use", "id": _tool_use_id(),
-                                                   "name": call["function"]["name"], "input": {}})
-            pieces = call["function"].get("arguments", "")
-            if pieces:
-                events.append(_event("content_block_delta", {
-                    "index": self.blocks - 1, "delta": {"type": "input_json_delta", "partial_json": pieces}}))
-        return events
+    def part_events(self, part: Part) -> list[str]:
+        if part.kind == "reasoning":
+            return self._thinking(part.text)
+        if part.kind == "text":
+            return self._text(part.text)
+        if part.kind == "call":
+            self.called = True
+            return self._start("tool_use", {"type": "tool_use", "id": _tool_use_id(), "name": part.text, "input": {}})
+        return [_event("content_block_delta", {"index": self.blocks - 1,
+                                               "delta": {"type": "input_json_delta", "partial_json": part.text}})]
 
     def closing_events(self) -> list[str]:
         events = self._close() if self.blocks else self._start("text", {"type": "text", "text": ""}) + self._close()

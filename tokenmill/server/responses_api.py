@@ -18,12 +18,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.outputs import RequestOutput
-from tokenmill.reasoning import ReasoningParser, ReasoningStreamer
+from tokenmill.reasoning import ReasoningParser
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.middleware import error_body
+from tokenmill.server.output_parts import OutputSplitter, Part, PartEvents, split_output
 from tokenmill.server.serving import Serving, params_or_400, tool_constraint
-from tokenmill.server.tools import ToolCall, ToolCallStreamer, parse_tool_calls
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 DEFAULT_STORE_SIZE = 1000  # responses kept for previous_response_id
@@ -225,7 +225,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesBuilder:
+class ResponsesBuilder(PartEvents):
     """A Response object, or its stream of typed events (each with its sequence number)."""
 
     def __init__(self, body: ResponsesRequest, model: str, conversation: list[dict[str, Any]], prompt_tokens: int,
@@ -243,9 +243,8 @@ class ResponsesBuilder:
         self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.sequence = 0
-        self.streamer = ToolCallStreamer() if self.tool_mode != "none" else None
         self.reasoning = reasoning  # the <think> block becomes a reasoning item in front of the answer
-        self.thoughts = ReasoningStreamer(reasoning) if reasoning is not None else None
+        self.parts = OutputSplitter(reasoning, self.tool_mode != "none")
         self.items: list[dict[str, Any]] = []  # streamed output items, in order
         self.open_item: dict[str, Any] | None = None
 
@@ -308,15 +307,8 @@ class ResponsesBuilder:
         return body
 
     def final(self) -> dict[str, Any]:
-        text: str | None = self.text
-        output: list[dict[str, Any]] = []
-        calls: list[ToolCall] = []
-        if self.reasoning is not None:
-            thought, text = self.reasoning.split(self.text)
-            if thought is not None:
-                output.append(self._reasoning(_new_id("rs"), thought))
-        if self.tool_mode != "none":
-            text, calls = parse_tool_calls(text or "")
+        thought, text, calls = split_output(self.text, self.reasoning, self.tool_mode != "none")
+        output = [] if thought is None else [self._reasoning(_new_id("rs"), thought)]
         if text or not (calls or output):
             output.append(self._message(_new_id("msg"), text or ""))
         output += [self._call(_new_id("fc"), _new_id("call"), c.name, c.arguments) for c in calls]
@@ -392,27 +384,18 @@ class ResponsesBuilder:
                                   output_index=len(self.items) - 1, content_index=0, delta=text))
         return events
 
-    def delta_events(self, prompt_index: int, output: RequestOutput) -> list[str]:
-        delta = output.outputs[0].delta_text
-        self.update(prompt_index, output)
-        final = self.finish_reason is not None
-        events: list[str] = []
-        if self.thoughts is not None:
-            thought, delta = self.thoughts.feed(delta, final)
-            events += self._thought(thought)
-        if self.streamer is None:
-            return events + self._text(delta)
-        content, calls = self.streamer.feed(delta, final=final)
-        events += self._text(content)
-        for call in calls:
-            if "id" in call:
-                events += self._open(self._call(_new_id("fc"), _new_id("call"), call["function"]["name"], ""))
-            pieces = call["function"].get("arguments", "")
-            if pieces and self.open_item is not None:
-                self.open_item["arguments"] += pieces
-                events.append(self._event("response.function_call_arguments.delta", item_id=self.open_item["id"],
-                                          output_index=len(self.items) - 1, delta=pieces))
-        return events
+    def part_events(self, part: Part) -> list[str]:
+        if part.kind == "reasoning":
+            return self._thought(part.text)
+        if part.kind == "text":
+            return self._text(part.text)
+        if part.kind == "call":
+            return self._open(self._call(_new_id("fc"), _new_id("call"), part.text, ""))
+        if self.open_item is None:
+            return []
+        self.open_item["arguments"] += part.text
+        return [self._event("response.function_call_arguments.delta", item_id=self.open_item["id"],
+                            output_index=len(self.items) - 1, delta=part.text)]
 
     def closing_events(self) -> list[str]:
         events = self._close()
