@@ -36,6 +36,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=defaults.kv_cache_memory_gb)
     g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    g.add_argument("--target-itl-ms", type=float, default=None,
+                   help="size prompt chunks so that steps with decodes running stay within this many ms (the "
+                        "step time is predicted by a model fitted online); without decodes a prompt runs at full "
+                        "speed")
     g.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
@@ -58,6 +62,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        target_itl_ms=args.target_itl_ms,
         max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
         priority_aging_per_s=args.priority_aging_per_s, batching=args.batching, seed=args.seed,

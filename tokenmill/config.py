@@ -111,6 +111,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # --target-itl-ms: while requests decode, prompt chunks get only the tokens that keep a step's predicted time
+    # within this (core/token_budget.py); with none decoding, a lone prompt runs in as few steps as it can
+    target_itl_ms: float | None = None
     max_num_partial_prefills: int = 2
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -140,6 +143,8 @@ class EngineConfig:
             positive("num_kv_blocks")
         if self.max_model_len is not None:
             positive("max_model_len")
+        if self.target_itl_ms is not None:
+            positive("target_itl_ms")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.batching not in ("continuous", "dynamic", "static"):

@@ -99,3 +99,9 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0
     spec_num_rejections: int = 0  # proposals not accepted in full
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # --target-itl-ms: the prompt tokens this step was allowed; after the step, its seconds, how far the
+    # predictor was off (measured - predicted), and whether it ran over the target with decodes running
+    prompt_budget: int | None = None
+    step_seconds: float | None = None
+    prediction_error: float | None = None
+    over_target: bool = False

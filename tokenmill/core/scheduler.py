@@ -29,6 +29,7 @@ from tokenmill.core.outputs import (
 from tokenmill.core.remote_kv import RemoteKVLoads
 from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from tokenmill.core.spec_counts import SpecDecodeCounts
+from tokenmill.core.token_budget import LONE_PROMPT_TOKENS, TokenBudget
 from tokenmill.request import Request, RequestStatus
 from tokenmill.structured_output.backend import Grammar
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -74,6 +75,9 @@ class Scheduler:
         self._outputs_since_plan: list[EngineCoreOutput] = []  # requests the core ended outside a step's update
         self.total_preemptions = 0
         self.spec = SpecDecodeCounts()  # speculative decoding: verifications since the start
+        self.token_budget = None if config.target_itl_ms is None else TokenBudget(
+            config.target_itl_ms / 1e3, config.max_num_batched_tokens,
+            max(config.max_num_batched_tokens, min(max_model_len, LONE_PROMPT_TOKENS)))
         self.last_stats = SchedulerStats()
         # Disaggregation hooks, set by the engine core: a request about to free its blocks (a producer saves its
         # prompt's KV), and a request admitted with remote KV (a consumer loads it into these blocks, from this
@@ -161,7 +165,11 @@ class Scheduler:
 
         # 1. Running requests: decodes first, so prompt work can never starve them.
         decode_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        prompt_phase = False  # past the decodes: the prompt chunks' budget applies
         for request in decode_first:
+            if not prompt_phase and request.num_tokens - request.num_computed_tokens > 1:
+                prompt_phase = True
+                budget = self._prompt_budget(num_scheduled, budget, request.num_computed_tokens)
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -188,6 +196,8 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last; those whose
         # grammar is still compiling step aside without holding up the others.
+        if not prompt_phase:
+            budget = self._prompt_budget(num_scheduled, budget, 0)
         if not preempted:
             for request in self.grammars.set_aside(self.waiting):  # their grammar failed to compile
                 self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
@@ -196,6 +206,14 @@ class Scheduler:
             self.grammars.restore(self.waiting)
 
         return self._build_plan(num_scheduled, padding, preempted)
+
+    def _prompt_budget(self, decodes: dict[str, int], budget: int, next_prompt_start: int) -> int:
+        """The tokens left for prompt chunks once the decodes (all scheduled so far) are in: the fixed budget's
+        rest, or with --target-itl-ms what keeps the step within the target."""
+        if self.token_budget is None:
+            return budget
+        rows = [(n, self.requests[request_id].num_computed_tokens) for request_id, n in decodes.items()]
+        return self.token_budget.prompt_tokens(rows, next_prompt_start)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
         mode = self.config.batching
@@ -370,6 +388,7 @@ class Scheduler:
             num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
             num_padding_tokens=num_padding, num_preemptions=num_preempted,
             prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
+            prompt_budget=self.token_budget.last_prompt_budget if self.token_budget else None,
         )
 
     # ------------------------------------------------------------------ after the step

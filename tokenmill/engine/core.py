@@ -84,6 +84,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
+        started = self.clock()  # the step's time on the engine's clock (simulated in tokenmill sim)
         plan = self.scheduler.schedule()
         if plan.is_empty and self.scheduler.loading and self.kv_loader is not None:
             self.kv_loader.wait(IDLE_WAIT_S)  # only KV transfers in flight: wait for one, do not spin
@@ -100,6 +101,11 @@ class EngineCore:
         self.num_steps += 1
         stats = self.scheduler.last_stats
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
+        token_budget = self.scheduler.token_budget
+        if token_budget is not None and plan.scheduled:
+            stats.step_seconds = self.clock() - started
+            stats.over_target = token_budget.observe(plan, stats.step_seconds)
+            stats.prediction_error = token_budget.predictor.last_error
         if self.proposer is not None:
             self.proposer.observe_step(plan, time.perf_counter() - start, stats)
             self.proposer.propose(self.scheduler.running)

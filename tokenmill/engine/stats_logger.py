@@ -26,6 +26,8 @@ class LoggingStatLogger:
         self._state: dict[int, tuple[int, int, float]] = {}  # per replica: running, waiting, KV usage
         self._was_busy = False
         self._draft_tokens = self._accepted_tokens = 0
+        self._over_target = 0  # --target-itl-ms: steps over it since the last line, and the slowest
+        self._slowest_over = 0.0
 
     def on_step(self, record: StepRecord, replica: int = 0) -> None:
         s = record.stats
@@ -34,6 +36,9 @@ class LoggingStatLogger:
         self._preemptions += s.num_preemptions
         self._draft_tokens += s.spec_num_draft_tokens
         self._accepted_tokens += s.spec_num_accepted_tokens
+        if s.over_target:
+            self._over_target += 1
+            self._slowest_over = max(self._slowest_over, s.step_seconds or 0.0)
         last_queries, last_hits = self._last_prefix.get(replica, (0, 0))
         if s.prefix_queries < last_queries:  # a restarted replica counts from zero again
             last_queries = last_hits = 0
@@ -73,9 +78,13 @@ class LoggingStatLogger:
             if self._draft_tokens:
                 line += (f", Speculative acceptance: {100.0 * self._accepted_tokens / self._draft_tokens:.1f}% "
                          f"of {self._draft_tokens} proposed tokens")
+            if self._over_target:
+                line += (f", Steps over the ITL target: {self._over_target} (slowest "
+                         f"{1e3 * self._slowest_over:.0f} ms)")
             logger.info(line)
         self._was_busy = busy
         self._since = now
         self._prompt_tokens = self._generation_tokens = self._preemptions = self._queries = self._hits = 0
         self._draft_tokens = self._accepted_tokens = 0
+        self._over_target, self._slowest_over = 0, 0.0
         return line

@@ -54,6 +54,15 @@ class EngineMetrics:
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated", labels, registry=r)
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
                                labels + ["finished_reason"], registry=r)
+        # --target-itl-ms
+        self.prompt_budget = Histogram("tokenmill:prompt_chunk_budget_tokens", "Prompt tokens a step was allowed "
+                                       "(--target-itl-ms)", per_replica, registry=r,
+                                       buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+        self.steps_over_target = Counter("tokenmill:steps_over_target", "Steps with decodes running that took "
+                                         "longer than --target-itl-ms", per_replica, registry=r)
+        self.prediction_error = Histogram("tokenmill:step_time_prediction_error_seconds", "Measured minus "
+                                          "predicted step time (--target-itl-ms)", per_replica, registry=r,
+                                          buckets=(-0.1, -0.03, -0.01, -0.003, 0.0, 0.003, 0.01, 0.03, 0.1, 0.3))
         self.endpoint_requests = Counter("tokenmill:endpoint_requests", "Finished requests by API endpoint",
                                          labels + ["endpoint"], registry=r)
         self.spec_drafts = Counter("tokenmill:spec_decode_num_drafts", "Speculative proposals verified", per_replica,
@@ -107,6 +116,12 @@ class EngineMetrics:
         self.kv_usage.labels(m, r).set(s.kv_usage)
         if s.num_preemptions:
             self.preemptions.labels(m, r).inc(s.num_preemptions)
+        if s.prompt_budget is not None:
+            self.prompt_budget.labels(m, r).observe(s.prompt_budget)
+        if s.over_target:
+            self.steps_over_target.labels(m, r).inc()
+        if s.prediction_error is not None:
+            self.prediction_error.labels(m, r).observe(s.prediction_error)
         if s.spec_num_drafts:
             self.spec_drafts.labels(m, r).inc(s.spec_num_drafts)
             self.spec_draft_tokens.labels(m, r).inc(s.spec_num_draft_tokens)

@@ -36,6 +36,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills)
+    g.add_argument("--target-itl-ms", type=float, default=None,
+                   help="the engine's self-setting prompt budget (as `tokenmill serve --target-itl-ms`)")
     g.add_argument("--max-model-len", type=int, default=8192)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--policy", default=defaults.policy, choices=["fcfs", "priority"])
@@ -50,7 +52,7 @@ def simulation_from_args(args: argparse.Namespace) -> Simulation:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_partial_prefills=args.max_num_partial_prefills,
                           enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
-                          batching=args.batching)
+                          batching=args.batching, target_itl_ms=args.target_itl_ms)
     return Simulation(specs.model(args.model), specs.hardware(args.hardware), config, args.tensor_parallel_size,
                       args.max_model_len)
 

@@ -19,6 +19,7 @@ SWEEPABLE = {
     "batching": str,
     "max-num-batched-tokens": int,
     "max-num-seqs": int,
+    "target-itl-ms": float,  # the self-setting prompt budget (core/token_budget.py), fitted on simulated steps
 }
 
 

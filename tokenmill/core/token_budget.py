@@ -1,0 +1,108 @@
+"""The token budget that sets itself (`--target-itl-ms`): while requests decode, prompt chunks get only as many
+tokens as keep the step's predicted time within the target; with nothing decoding, a prompt runs at full speed.
+
+The step-time predictor is fitted online on this engine's own steps, by exponentially weighted least squares on
+what a step computes: t = a + b * tokens + c * attention + d * sequences, where `attention` is the context
+every new token attends to (a chunk of n tokens after s computed ones attends n * (s + n / 2)). Decode rows and
+prompt rows cost the same in the linear layers, so decode-only steps of different batch sizes already fit `b`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from tokenmill.core.outputs import SchedulerOutput
+
+# Steps seen before the predictor is trusted; until then the fixed budget applies (today's behaviour).
+MIN_OBSERVATIONS = 8
+RIDGE = 1e-9  # keeps the normal equations solvable while a feature has not varied yet
+MIN_PROMPT_TOKENS = 16  # prompts always progress, even when the decodes alone fill the target
+# With nothing decoding, at most this many prompt tokens in one step (bounds a step's activation memory)
+LONE_PROMPT_TOKENS = 4096
+
+
+def step_features(chunks: Iterable[tuple[int, int]]) -> np.ndarray:
+    """[1, tokens, attention, sequences] of a step of (new tokens, tokens before them) per sequence."""
+    tokens = attention = 0.0
+    sequences = 0
+    for new, before in chunks:
+        tokens += new
+        attention += new * (before + new / 2)
+        sequences += 1
+    return np.array([1.0, tokens, attention / 1e3, sequences])
+
+
+class StepTimePredictor:
+    def __init__(self, decay: float = 0.99) -> None:
+        self.decay = decay
+        self.xtx = np.zeros((4, 4))
+        self.xty = np.zeros(4)
+        self.observations = 0
+        self.coefficients = np.zeros(4)
+        self.last_error: float | None = None  # seconds, observed minus predicted, of the last step
+
+    @property
+    def ready(self) -> bool:
+        return self.observations >= MIN_OBSERVATIONS
+
+    def predict(self, features: np.ndarray) -> float:
+        return float(features @ self.coefficients)
+
+    def observe(self, plan: SchedulerOutput, seconds: float) -> None:
+        if not plan.scheduled:
+            return
+        x = step_features((s.num_tokens, s.start_position) for s in plan.scheduled)
+        self.last_error = seconds - self.predict(x) if self.ready else None
+        self.xtx = self.decay * self.xtx + np.outer(x, x)
+        self.xty = self.decay * self.xty + x * seconds
+        self.observations += 1
+        solved = np.linalg.solve(self.xtx + RIDGE * np.eye(4), self.xty)
+        # a cost never goes down with more work: a negative slope is noise (or collinearity) and is dropped
+        self.coefficients = np.concatenate([solved[:1], np.maximum(solved[1:], 0.0)])
+
+
+class TokenBudget:
+    """The prompt tokens of one step under `target_s`, given the decode work already in it."""
+
+    def __init__(self, target_s: float, fixed_budget: int, lone_budget: int) -> None:
+        self.target_s = target_s
+        self.fixed_budget = fixed_budget  # max_num_batched_tokens: the budget until the predictor is fitted
+        self.lone_budget = lone_budget  # with nothing decoding: a lone prompt in one step if it fits
+        self.predictor = StepTimePredictor()
+        self.last_prompt_budget: int | None = None
+
+    def prompt_tokens(self, decodes: list[tuple[int, int]], next_prompt_start: int) -> int:
+        """How many prompt tokens may join `decodes` ((new tokens, tokens before) each), the chunk going to a
+        prompt with `next_prompt_start` tokens computed."""
+        if not decodes:
+            budget = self.lone_budget
+        elif not self.predictor.ready:
+            budget = self.fixed_budget
+        else:
+            budget = self._largest_within_target(decodes, next_prompt_start)
+        self.last_prompt_budget = budget
+        return budget
+
+    def _largest_within_target(self, decodes: list[tuple[int, int]], start: int) -> int:
+        def predicted(tokens: int) -> float:
+            chunks = decodes + ([(tokens, start)] if tokens else [])
+            return self.predictor.predict(step_features(chunks))
+
+        low, high = 0, self.lone_budget
+        if predicted(high) <= self.target_s:
+            low = high
+        while low < high:  # the largest n with predicted(n) <= target (the cost grows with n)
+            mid = (low + high + 1) // 2
+            if predicted(mid) <= self.target_s:
+                low = mid
+            else:
+                high = mid - 1
+        return max(low, MIN_PROMPT_TOKENS)
+
+    def observe(self, plan: SchedulerOutput, seconds: float) -> bool:
+        """Learn from a finished step; True when it had decodes running and ran over the target."""
+        self.predictor.observe(plan, seconds)
+        decoding = any(s.start_position >= len(s.prompt_token_ids) for s in plan.scheduled)
+        return decoding and seconds > self.target_s
