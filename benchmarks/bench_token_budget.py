@@ -81,8 +81,8 @@ def simulated(sweep: str, values: list[str], rate: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rates", type=float, nargs=3, default=[1.0, 2.0, 4.0])
-    parser.add_argument("--num-requests", type=int, default=60)
+    parser.add_argument("--rates", type=float, nargs=3, default=[4.0, 8.0, 16.0])
+    parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     tokenizer = Tokenizer.from_path(bundled_model_path())

@@ -48,7 +48,7 @@ def test_predictor_converges_on_synthetic_steps() -> None:
 
 
 def test_a_step_over_the_target_shrinks_the_next_chunk() -> None:
-    budget = TokenBudget(target_s=0.03, fixed_budget=512, lone_budget=4096)
+    budget = TokenBudget(target_s=0.03, max_budget=4096)
     decodes = [(1, 200)] * 8
     for tokens in range(MIN_OBSERVATIONS + 4):  # learn a machine twice as fast as it is
         chunks = decodes + [(64 * (1 + tokens % 4), 0)]
@@ -65,15 +65,15 @@ def test_a_step_over_the_target_shrinks_the_next_chunk() -> None:
     assert true_seconds(decodes + [(chunk, 0)]) <= 0.03 * 1.05
 
 
-def test_chunks_keep_steps_within_the_target_while_decodes_run_and_a_lone_prompt_runs_whole() -> None:
+def test_chunks_keep_steps_within_the_target_while_decodes_run_and_a_lone_prompt_gets_the_whole_budget() -> None:
     clock = FakeClock()
     executor = CostedExecutor(1024, clock)
     target = 0.025
-    core, _ = make_core(num_blocks=1024, clock=clock, executor=executor, max_num_batched_tokens=512,
+    core, _ = make_core(num_blocks=1024, clock=clock, executor=executor, max_num_batched_tokens=2048,
                         target_itl_ms=target * 1e3, max_num_seqs=16)
     core.add_request(make_request("alone", prompt_len=3000, max_tokens=2, clock=clock))
     core.step()
-    assert executor.plans[-1].num_prefill_tokens == 3000  # nothing decoding: the whole prompt in one step
+    assert executor.plans[-1].num_prefill_tokens == 2048  # nothing decoding: the whole budget
     run_to_completion(core)
     for i in range(8):
         core.add_request(make_request(f"short{i}", prompt_len=8, max_tokens=400, clock=clock))

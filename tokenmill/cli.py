@@ -38,8 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     g.add_argument("--target-itl-ms", type=float, default=None,
                    help="size prompt chunks so that steps with decodes running stay within this many ms (the "
-                        "step time is predicted by a model fitted online); without decodes a prompt runs at full "
-                        "speed")
+                        "step time is predicted by a model fitted online); without decodes prompts get the whole "
+                        "--max-num-batched-tokens")
     g.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")

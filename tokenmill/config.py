@@ -112,7 +112,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     # --target-itl-ms: while requests decode, prompt chunks get only the tokens that keep a step's predicted time
-    # within this (core/token_budget.py); with none decoding, a lone prompt runs in as few steps as it can
+    # within this (core/token_budget.py); with none decoding, prompts get the whole max_num_batched_tokens
     target_itl_ms: float | None = None
     max_num_partial_prefills: int = 2
     max_model_len: int | None = None

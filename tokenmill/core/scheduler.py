@@ -29,7 +29,7 @@ from tokenmill.core.outputs import (
 from tokenmill.core.remote_kv import RemoteKVLoads
 from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from tokenmill.core.spec_counts import SpecDecodeCounts
-from tokenmill.core.token_budget import LONE_PROMPT_TOKENS, TokenBudget
+from tokenmill.core.token_budget import TokenBudget
 from tokenmill.request import Request, RequestStatus
 from tokenmill.structured_output.backend import Grammar
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -76,8 +76,7 @@ class Scheduler:
         self.total_preemptions = 0
         self.spec = SpecDecodeCounts()  # speculative decoding: verifications since the start
         self.token_budget = None if config.target_itl_ms is None else TokenBudget(
-            config.target_itl_ms / 1e3, config.max_num_batched_tokens,
-            max(config.max_num_batched_tokens, min(max_model_len, LONE_PROMPT_TOKENS)))
+            config.target_itl_ms / 1e3, config.max_num_batched_tokens)
         self.last_stats = SchedulerStats()
         # Disaggregation hooks, set by the engine core: a request about to free its blocks (a producer saves its
         # prompt's KV), and a request admitted with remote KV (a consumer loads it into these blocks, from this
