@@ -57,10 +57,12 @@ def interference(tokenizer: Tokenizer, configs: list[str], seed: int) -> list[li
 def goodput(tokenizer: Tokenizer, configs: list[str], rates: list[float], num_requests: int,
             seed: int) -> list[list[Any]]:
     items = workloads.mixed(tokenizer, num_requests, seed)
+    warmup = workloads.mixed(tokenizer, 16, seed + 1)
     rows = []
     for config in configs:
         row: list[Any] = [config]
         with live_server(*server_flags(config)) as server:
+            _load(server.url, warmup, float("inf"), seed)  # every server's first requests pay its cold start
             for rate in rates:
                 results, duration = _load(server.url, items, rate, seed)
                 summary = summarize(results, duration, SLO_TTFT, SLO_TPOT)

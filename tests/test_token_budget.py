@@ -61,7 +61,7 @@ def test_a_step_over_the_target_shrinks_the_next_chunk() -> None:
             break
         chunk = budget.prompt_tokens(decodes, 0)
         sizes.append(chunk)
-    assert len(sizes) > 1 and sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
+    assert len(sizes) > 1 and sizes[1] < sizes[0] and max(sizes[1:]) < sizes[0]
     assert true_seconds(decodes + [(chunk, 0)]) <= 0.03 * 1.05
 
 

@@ -19,6 +19,11 @@ from tokenmill.core.outputs import SchedulerOutput
 
 # Steps seen before the predictor is trusted; until then the fixed budget applies (today's behaviour).
 MIN_OBSERVATIONS = 8
+WARMUP_STEPS = 3  # an engine's first steps pay one-time costs (first touches of memory, lazy set-up): not fitted
+# Once fitted, a step is learned from as at most this many times its prediction: one stall (a page fault storm,
+# another process) cannot make the next hundred chunks tiny, while a real slowdown is still followed, doubling
+# per step.
+MAX_SURPRISE = 2.0
 RIDGE = 1e-9  # keeps the normal equations solvable while a feature has not varied yet
 MIN_PROMPT_TOKENS = 16  # prompts always progress, even when the decodes alone fill the target
 
@@ -40,6 +45,7 @@ class StepTimePredictor:
         self.xtx = np.zeros((4, 4))
         self.xty = np.zeros(4)
         self.observations = 0
+        self.steps_seen = 0
         self.coefficients = np.zeros(4)
         self.last_error: float | None = None  # seconds, observed minus predicted, of the last step
 
@@ -54,7 +60,12 @@ class StepTimePredictor:
         if not plan.scheduled:
             return
         x = step_features((s.num_tokens, s.start_position) for s in plan.scheduled)
+        self.steps_seen += 1
+        if self.steps_seen <= WARMUP_STEPS:
+            return
         self.last_error = seconds - self.predict(x) if self.ready else None
+        if self.ready:
+            seconds = min(seconds, MAX_SURPRISE * max(self.predict(x), 1e-6))
         self.xtx = self.decay * self.xtx + np.outer(x, x)
         self.xty = self.decay * self.xty + x * seconds
         self.observations += 1
