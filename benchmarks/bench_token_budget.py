@@ -56,15 +56,16 @@ def interference(tokenizer: Tokenizer, configs: list[str], seed: int) -> list[li
 
 def goodput(tokenizer: Tokenizer, configs: list[str], rates: list[float], num_requests: int,
             seed: int) -> list[list[Any]]:
-    items = workloads.mixed(tokenizer, num_requests, seed)
-    warmup = workloads.mixed(tokenizer, 16, seed + 1)
+    # fresh prompts for each rate (the same ones again would be prefix-cache hits), the same for every config
+    items = [workloads.mixed(tokenizer, num_requests, seed + 1 + i) for i in range(len(rates))]
+    warmup = workloads.mixed(tokenizer, 16, seed)
     rows = []
     for config in configs:
         row: list[Any] = [config]
         with live_server(*server_flags(config)) as server:
             _load(server.url, warmup, float("inf"), seed)  # every server's first requests pay its cold start
-            for rate in rates:
-                results, duration = _load(server.url, items, rate, seed)
+            for rate, rate_items in zip(rates, items):
+                results, duration = _load(server.url, rate_items, rate, seed)
                 summary = summarize(results, duration, SLO_TTFT, SLO_TPOT)
                 row += [round(summary["goodput"], 2), f"{summary['good_share']:.0%}"]
         rows.append(row)
@@ -83,7 +84,7 @@ def simulated(sweep: str, values: list[str], rate: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rates", type=float, nargs=3, default=[4.0, 8.0, 16.0])
+    parser.add_argument("--rates", type=float, nargs=3, default=[2.0, 4.0, 6.0])
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
