@@ -65,22 +65,7 @@ def test_a_step_over_the_target_shrinks_the_next_chunk() -> None:
     assert true_seconds(decodes + [(chunk, 0)]) <= 0.03 * 1.05
 
 
-def test_steps_under_the_target_save_credit_that_one_step_may_spend_up_to_twice_the_target() -> None:
-    budget = TokenBudget(target_s=0.03, max_budget=4096)
-    decodes = [(1, 300)] * 8
-    rng = random.Random(1)
-    for _ in range(40):  # quick steps (all under the target): the predictor learns, the credit fills
-        chunks = decodes[:rng.randint(1, 8)] + [(rng.randint(1, 64), 10)]
-        budget.observe(plan_of(chunks), true_seconds(chunks))
-    assert budget.credit_s == pytest.approx(0.03)
-    tokens = budget.prompt_tokens(decodes, 0)
-    assert 0.03 < true_seconds(decodes + [(tokens, 0)]) <= 0.06 * 1.05
-    budget.observe(plan_of(decodes + [(tokens, 0)]), true_seconds(decodes + [(tokens, 0)]))
-    assert budget.credit_s < 0.005  # spent
-    assert true_seconds(decodes + [(budget.prompt_tokens(decodes, 0), 0)]) <= 0.03 * 1.2
-
-
-def test_chunks_keep_the_target_on_average_while_decodes_run_and_a_lone_prompt_gets_the_whole_budget() -> None:
+def test_chunks_keep_steps_within_the_target_while_decodes_run_and_a_lone_prompt_gets_the_whole_budget() -> None:
     clock = FakeClock()
     executor = CostedExecutor(1024, clock)
     target = 0.025
@@ -99,11 +84,9 @@ def test_chunks_keep_the_target_on_average_while_decodes_run_and_a_lone_prompt_g
     while core.scheduler.requests.get("long") is not None and core.scheduler.requests["long"].num_output_tokens == 0:
         core.step()
         plan = executor.plans[-1]
-        assert plan.num_decode_tokens == 8 and plan.num_prefill_tokens > 0
+        assert plan.num_decode_tokens == 8 and plan.num_prefill_tokens >= 16
         times.append(true_seconds([(s.num_tokens, s.start_position) for s in plan.scheduled]))
-    # the streams' inter-token latency is the target on average, and no step takes twice the target
-    assert max(times) <= 2 * target * 1.05, max(times)
-    assert sum(times) / len(times) <= target * 1.1, sum(times) / len(times)
+    assert max(times) <= target * 1.1, max(times)
     # the chunks are as large as the target allows, not a fixed small number: few steps for the prompt
     per_token = B + C * 1.5  # a prompt token's cost, roughly, over this prompt
     assert len(times) <= 1.3 * 3000 * per_token / (target - true_seconds([(1, 300)] * 8)) + 2

@@ -1,14 +1,7 @@
 """The token budget that sets itself (`--target-itl-ms`): while requests decode, prompt chunks get only as many
-tokens as keep the decoding streams' inter-token latency at the target on average, and no step over twice the
-target; with nothing decoding, prompts get the whole
+tokens as keep the step's predicted time within the target; with nothing decoding, prompts get the whole
 `max_num_batched_tokens` (measured here: one 3,000-token step took 6% longer than 512-token chunks of the same
 prompt, so "more" is not faster on this CPU).
-
-The average is kept with a credit, as a token bucket of time: a decoding step that ends under the target adds
-what it saved (up to one target's worth), one that runs over spends it, and a step may take the target plus the
-credit. Holding every step under the target instead costs prompt throughput for nothing the streams see on
-average: each step also pays a fixed cost and the decode rows, so small steps spend a larger share of the
-machine on them (measured: goodput at 4 req/s on `mixed` 0.63x the best fixed budget's with a strict target).
 
 The step-time predictor is fitted online on this engine's own steps, by exponentially weighted least squares on
 what a step computes: t = a + b * tokens + c * attention + d * sequences, where `attention` is the context
@@ -88,7 +81,6 @@ class TokenBudget:
         self.target_s = target_s
         # max_num_batched_tokens: the budget with nothing decoding, until the predictor is fitted, and the cap
         self.max_budget = max_budget
-        self.credit_s = 0.0  # time decoding steps saved under the target, in [0, target]
         self.predictor = StepTimePredictor()
         self.last_prompt_budget: int | None = None
 
@@ -107,13 +99,12 @@ class TokenBudget:
             chunks = decodes + ([(tokens, start)] if tokens else [])
             return self.predictor.predict(step_features(chunks))
 
-        allowance = self.target_s + self.credit_s
         low, high = 0, self.max_budget
-        if predicted(high) <= allowance:
+        if predicted(high) <= self.target_s:
             low = high
-        while low < high:  # the largest n with predicted(n) <= allowance (the cost grows with n)
+        while low < high:  # the largest n with predicted(n) <= target (the cost grows with n)
             mid = (low + high + 1) // 2
-            if predicted(mid) <= allowance:
+            if predicted(mid) <= self.target_s:
                 low = mid
             else:
                 high = mid - 1
@@ -123,6 +114,4 @@ class TokenBudget:
         """Learn from a finished step; True when it had decodes running and ran over the target."""
         self.predictor.observe(plan, seconds)
         decoding = any(s.start_position >= len(s.prompt_token_ids) for s in plan.scheduled)
-        if decoding:
-            self.credit_s = min(self.target_s, max(0.0, self.credit_s + self.target_s - seconds))
         return decoding and seconds > self.target_s
