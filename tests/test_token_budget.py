@@ -12,6 +12,8 @@ from tests.fakes import FakeClock, FakeExecutor, make_core, make_request, run_to
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.core.token_budget import MIN_OBSERVATIONS, StepTimePredictor, TokenBudget, step_features
+from tokenmill.sim import specs
+from tokenmill.sim.cost_model import chunks_seconds
 
 # The fake machine: a step costs 2 ms + 0.1 ms per token + 2 us per 1000 attended context + 0.05 ms per sequence.
 A, B, C, D = 2e-3, 1e-4, 2e-6, 5e-5
@@ -114,3 +116,17 @@ def test_greedy_outputs_do_not_depend_on_the_chunk_sizes(llm: LLM) -> None:
                    s.num_tokens > 1]
     assert len(chunks) > 3 and max(chunks) < 100  # cut into small chunks while "first" decoded
     assert tokens == expected
+
+
+def test_a_calibrated_profile_warm_starts_the_predictor(tmp_path) -> None:  # noqa: ANN001
+    spec, hw = specs.model("llama-3-8b"), specs.hardware("h100-sxm")
+    budget = TokenBudget(target_s=0.05, max_budget=2048)
+    budget.warm_start(lambda chunks: chunks_seconds(chunks, spec, hw))
+    assert budget.predictor.ready
+    for chunks in ([(1, 300)] * 32, [(1, 300)] * 16 + [(512, 0)], [(1, 1500)] * 8 + [(256, 700)]):
+        assert budget.predictor.predict(step_features(chunks)) == pytest.approx(chunks_seconds(chunks, spec, hw),
+                                                                                rel=0.25)
+    path = tmp_path / "profile.json"
+    specs.hardware("h100-sxm").save(path)
+    engine = LLM(target_itl_ms=50.0, step_cost_profile=str(path), num_kv_blocks=64).engine
+    assert engine.core.scheduler.token_budget is not None and engine.core.scheduler.token_budget.predictor.ready

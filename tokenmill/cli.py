@@ -40,6 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="size prompt chunks so that steps with decodes running stay within this many ms (the "
                         "step time is predicted by a model fitted online); without decodes prompts get the whole "
                         "--max-num-batched-tokens")
+    g.add_argument("--step-cost-profile", default=None, metavar="JSON",
+                   help="with --target-itl-ms: a `tokenmill sim calibrate` profile of this machine to start the "
+                        "step-time predictor from (otherwise it learns from the first steps)")
     g.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
@@ -62,7 +65,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        target_itl_ms=args.target_itl_ms,
+        target_itl_ms=args.target_itl_ms, step_cost_profile=args.step_cost_profile,
         max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
         priority_aging_per_s=args.priority_aging_per_s, batching=args.batching, seed=args.seed,

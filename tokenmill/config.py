@@ -114,6 +114,8 @@ class EngineConfig:
     # --target-itl-ms: while requests decode, prompt chunks get only the tokens that keep a step's predicted time
     # within this (core/token_budget.py); with none decoding, prompts get the whole max_num_batched_tokens
     target_itl_ms: float | None = None
+    # a `tokenmill sim calibrate` profile (JSON) of this machine: the step-time predictor starts from it
+    step_cost_profile: str | None = None
     max_num_partial_prefills: int = 2
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

@@ -11,7 +11,7 @@ prompt rows cost the same in the linear layers, so decode-only steps of differen
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -66,12 +66,25 @@ class StepTimePredictor:
         self.last_error = seconds - self.predict(x) if self.ready else None
         if self.ready:
             seconds = min(seconds, MAX_SURPRISE * max(self.predict(x), 1e-6))
+        self._fit(x, seconds)
+
+    def _fit(self, x: np.ndarray, seconds: float) -> None:
         self.xtx = self.decay * self.xtx + np.outer(x, x)
         self.xty = self.decay * self.xty + x * seconds
         self.observations += 1
         solved = np.linalg.solve(self.xtx + RIDGE * np.eye(4), self.xty)
         # a cost never goes down with more work: a negative slope is noise (or collinearity) and is dropped
         self.coefficients = np.concatenate([solved[:1], np.maximum(solved[1:], 0.0)])
+
+    def warm_start(self, seconds_of: Callable[[list[tuple[int, int]]], float], max_tokens: int) -> None:
+        """Fit to a cost model's predictions (a calibrated profile's) over a grid of decode batches, prompt
+        chunks and the two mixed, so the target applies from the first steps; real steps then take over."""
+        for batch in (1, 4, 16, 64):
+            for context in (32, 512, 2048):
+                decodes = [(1, context)] * batch
+                for chunk in (0, 16, max_tokens // 4, max_tokens):
+                    chunks = decodes + ([(chunk, context)] if chunk else [])
+                    self._fit(step_features(chunks), seconds_of(chunks))
 
 
 class TokenBudget:
@@ -83,6 +96,9 @@ class TokenBudget:
         self.max_budget = max_budget
         self.predictor = StepTimePredictor()
         self.last_prompt_budget: int | None = None
+
+    def warm_start(self, seconds_of: Callable[[list[tuple[int, int]]], float]) -> None:
+        self.predictor.warm_start(seconds_of, self.max_budget)
 
     def prompt_tokens(self, decodes: list[tuple[int, int]], next_prompt_start: int) -> int:
         """How many prompt tokens may join `decodes` ((new tokens, tokens before) each), the chunk going to a

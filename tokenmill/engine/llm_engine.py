@@ -58,8 +58,16 @@ class LLMEngine:
     def _over_runner(cls, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer,
                      runner: ModelRunner) -> LLMEngine:
         max_model_len, eos = model_limits(loaded, tokenizer, config)
-        return cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size,
-                   cache_salt_of=loaded.config.rope_cache_key)
+        engine = cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size,
+                     cache_salt_of=loaded.config.rope_cache_key)
+        token_budget = engine.core.scheduler.token_budget
+        if token_budget is not None and config.step_cost_profile is not None:
+            from tokenmill.sim.cost_model import chunks_seconds
+            from tokenmill.sim.specs import HardwareProfile, spec_of
+
+            profile, spec = HardwareProfile.load(config.step_cost_profile), spec_of(loaded.config)
+            token_budget.warm_start(lambda chunks: chunks_seconds(chunks, spec, profile))
+        return engine
 
     @property
     def tokenizer(self) -> Tokenizer:

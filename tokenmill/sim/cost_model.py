@@ -51,6 +51,13 @@ def step_cost(shape: StepShape, model: ModelSpec, weight_bytes: float, kv_bytes:
                     kv_read / tensor_parallel)
 
 
+def chunks_seconds(chunks: list[tuple[int, int]], model: ModelSpec, hw: HardwareProfile,
+                   tensor_parallel: int = 1) -> float:
+    """A step of (new tokens, tokens before) per sequence, each sampling one row: what `--target-itl-ms`'s
+    predictor is warm-started with."""
+    return step_seconds(StepShape(tuple((new, before, 1) for new, before in chunks)), model, hw, tensor_parallel)
+
+
 def step_seconds(shape: StepShape, model: ModelSpec, hw: HardwareProfile, tensor_parallel: int = 1) -> float:
     if not shape.sequences:
         return 0.0

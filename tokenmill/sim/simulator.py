@@ -14,6 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sim.cost_model import chunks_seconds
 from tokenmill.sim.executor import SimClock, SimExecutor, kv_blocks_for
 from tokenmill.sim.specs import HardwareProfile, ModelSpec
 
@@ -57,6 +58,9 @@ class Simulation:
         clock = SimClock()
         executor = SimExecutor(self.model, self.hw, clock, self.num_kv_blocks, self.tensor_parallel)
         core = EngineCore(self.config, executor, self.max_model_len, clock)
+        if core.scheduler.token_budget is not None:  # the profile is known here: the predictor starts from it
+            core.scheduler.token_budget.warm_start(
+                lambda chunks: chunks_seconds(chunks, self.model, self.hw, self.tensor_parallel))
 
         def idle_until(t: float) -> None:
             clock.now = max(clock.now, t)

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tokenmill.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -38,6 +40,13 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, kv_bytes: float) -> float:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_bytes
+
+
+def spec_of(config: ModelConfig, name: str = "local") -> ModelSpec:
+    """The simulator's view of a model the engine loaded."""
+    return ModelSpec(name, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                     config.head_dim, config.intermediate_size, config.vocab_size,
+                     tie_word_embeddings=config.tie_word_embeddings)
 
 
 # From each model's config.json (OPT: ffn_dim 4x, ReLU MLP, multi-head attention).
