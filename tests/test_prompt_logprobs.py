@@ -15,6 +15,13 @@ TOP_N = 4
 
 
 @pytest.fixture(scope="module")
+def whole_llm() -> LLM:
+    """Whole prompts in one step. Not the session's `llm`: the blocks these prompts leave in its prefix cache
+    would change later tests' computation paths (a cached prefix, then a chunk)."""
+    return LLM(quantization="none")
+
+
+@pytest.fixture(scope="module")
 def chunked_llm() -> LLM:
     """Prompts go in chunks of at most 32 tokens; the prefix cache is on."""
     return LLM(quantization="none", max_num_batched_tokens=32, enable_prefix_caching=True)
@@ -42,15 +49,16 @@ def assert_matches_transformers(output: RequestOutput, hf_model, top_n: int = TO
             assert entry[token] == pytest.approx(value, abs=1e-4)
 
 
-def test_prompt_logprobs_of_a_whole_prompt_match_transformers(llm: LLM, hf_model) -> None:  # noqa: ANN001
-    [output] = llm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=TOP_N))
+def test_prompt_logprobs_of_a_whole_prompt_match_transformers(whole_llm: LLM, hf_model) -> None:  # noqa: ANN001
+    [output] = whole_llm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=TOP_N))
     assert len(output.prompt_token_ids) > 100
     assert_matches_transformers(output, hf_model)
 
 
-def test_chunked_prefill_scores_every_chunk_as_the_whole_prompt(llm: LLM, chunked_llm: LLM, hf_model) -> None:  # noqa: ANN001
+def test_chunked_prefill_scores_every_chunk_as_the_whole_prompt(whole_llm: LLM, chunked_llm: LLM,
+                                                                hf_model) -> None:  # noqa: ANN001
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=TOP_N)
-    [whole] = llm.generate(PROMPT, params)
+    [whole] = whole_llm.generate(PROMPT, params)
     [chunked] = chunked_llm.generate(PROMPT, params)
     assert_matches_transformers(chunked, hf_model)
     assert whole.prompt_logprobs is not None and chunked.prompt_logprobs is not None
