@@ -24,8 +24,11 @@ def true_seconds(chunks: list[tuple[int, int]]) -> float:
 
 
 def plan_of(chunks: list[tuple[int, int]]) -> SchedulerOutput:
-    return SchedulerOutput([ScheduledRequest(f"r{i}", [1] * new, before, [], True, SamplingParams(), [1], [])
-                            for i, (new, before) in enumerate(chunks)])
+    """A plan of one-token prompts: a row with tokens before it decodes, as the scheduler counts it."""
+    scheduled = [ScheduledRequest(f"r{i}", [1] * new, before, [], True, SamplingParams(), [1], [])
+                 for i, (new, before) in enumerate(chunks)]
+    decode = sum(s.num_tokens for s in scheduled if s.start_position >= len(s.prompt_token_ids))
+    return SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled) - decode, decode)
 
 
 class CostedExecutor(FakeExecutor):

@@ -9,11 +9,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tokenmill.core.request_queue import RequestQueue
 from tokenmill.request import Request, RequestStatus
 from tokenmill.structured_output.backend import Grammar
 from tokenmill.structured_output.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ class GrammarWaits:
         if request.spec_token_ids and grammar is not None:
             request.spec_token_ids = request.spec_token_ids[:grammar.valid_prefix(request.spec_token_ids)]
 
-    def grammar_bitmask(self, rows: list[tuple[Grammar, Sequence[int]]]) -> object:
+    def grammar_bitmask(self, rows: list[tuple[Grammar, Sequence[int]]]) -> torch.Tensor:
         assert self.manager is not None
         return self.manager.grammar_bitmask(rows)
 

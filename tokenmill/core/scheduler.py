@@ -79,8 +79,7 @@ class Scheduler:
             config.target_itl_ms / 1e3, config.max_num_batched_tokens)
         self.last_stats = SchedulerStats()
         # Disaggregation hooks, set by the engine core: a request about to free its blocks (a producer saves its
-        # prompt's KV), and a request admitted with remote KV (a consumer loads it into these blocks, from this
-        # block of the prompt on; returns an error message or None). Failed loads are collected here.
+        # prompt's KV), and the requests admitted with remote KV (a consumer loads it into their blocks).
         self.finish_hook: Callable[[Request], None] | None = None
         self.remote_kv: RemoteKVLoads | None = None  # a consumer's requests whose KV is arriving
 
@@ -365,7 +364,7 @@ class Scheduler:
         plan = SchedulerOutput(scheduled, prefill_tokens, decode_tokens,
                                [r.request_id for r in preempted], finished)
         if grammar_rows:
-            plan.grammar_bitmask = self.grammars.grammar_bitmask(grammar_rows)  # type: ignore[assignment]
+            plan.grammar_bitmask = self.grammars.grammar_bitmask(grammar_rows)
         self.last_stats = self._stats(plan, len(padding), len(preempted))
         return plan
 

@@ -134,5 +134,4 @@ class TokenBudget:
     def observe(self, plan: SchedulerOutput, seconds: float) -> bool:
         """Learn from a finished step; True when it had decodes running and ran over the target."""
         self.predictor.observe(plan, seconds)
-        decoding = any(s.start_position >= len(s.prompt_token_ids) for s in plan.scheduled)
-        return decoding and seconds > self.target_s
+        return plan.num_decode_tokens > 0 and seconds > self.target_s

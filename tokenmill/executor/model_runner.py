@@ -13,7 +13,7 @@ import torch
 from tokenmill import kernels
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenmill.executor.sampler import Sampler, SamplingRow, logprob_entry, random_probs
+from tokenmill.executor.sampler import Sampler, SamplingRow, logprob_entries, logprob_entry, random_probs
 from tokenmill.model.attention import AttentionMetadata, allocate_kv_cache
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.quant import resolve_quantization
@@ -190,21 +190,12 @@ class ModelRunner:
         prompt = s.prompt_token_ids
         first_row = last_row - s.num_tokens + 1
         count = max(0, min(s.num_tokens, len(prompt) - 1 - s.start_position))
-        targets = torch.tensor(prompt[s.start_position + 1:s.start_position + 1 + count], dtype=torch.long,
-                               device=self.device)
-        top_n = s.sampling_params.prompt_logprobs or 0
+        targets = prompt[s.start_position + 1:s.start_position + 1 + count]
         entries: PromptEntries = []
         for begin in range(0, count, SCORE_ROWS):
             end = min(count, begin + SCORE_ROWS)
             logprobs = self.model.compute_logits(hidden[first_row + begin:first_row + end]).float().log_softmax(-1)
-            chosen = logprobs.gather(1, targets[begin:end, None])[:, 0].tolist()
-            top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
-            for j, token in enumerate(targets[begin:end].tolist()):
-                entry = {token: chosen[j]}
-                if top_values is not None and top_ids is not None:
-                    for t, v in zip(top_ids[j].tolist(), top_values[j].tolist()):
-                        entry.setdefault(t, v)
-                entries.append(entry)
+            entries += logprob_entries(logprobs, targets[begin:end], s.sampling_params.prompt_logprobs or 0)
         return s.start_position + 1, entries
 
     @torch.inference_mode()

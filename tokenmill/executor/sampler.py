@@ -99,14 +99,21 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int((probs / noise).argmax())
 
 
+def logprob_entries(raw_logprobs: torch.Tensor, token_ids: Sequence[int], top_n: int) -> list[dict[int, float]]:
+    """Per row of a raw log-softmax [rows, vocab]: its token's logprob and the top-N alternatives."""
+    index = torch.tensor(list(token_ids), dtype=torch.long, device=raw_logprobs.device)
+    entries = [{t: v} for t, v in zip(token_ids, raw_logprobs.gather(1, index[:, None])[:, 0].tolist())]
+    if top_n:
+        values, ids = raw_logprobs.topk(top_n, dim=-1)
+        for entry, row_values, row_ids in zip(entries, values.tolist(), ids.tolist()):
+            for v, t in zip(row_values, row_ids):
+                entry.setdefault(t, v)
+    return entries
+
+
 def logprob_entry(raw_logprobs: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
     """The chosen token's logprob and the top-N alternatives (one row of the raw log-softmax)."""
-    entry = {token_id: float(raw_logprobs[token_id])}
-    if top_n:
-        values, ids = raw_logprobs.topk(top_n)
-        for v, t in zip(values.tolist(), ids.tolist()):
-            entry.setdefault(t, v)
-    return entry
+    return logprob_entries(raw_logprobs[None], [token_id], top_n)[0]
 
 
 class Sampler:

@@ -139,11 +139,11 @@ class Tokenizer:
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
-        # The template writes the special tokens itself, so none are added here (as transformers does).
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+        # The template writes the special tokens itself, so none are added by default (as transformers does).
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 # The word-splitting regex of llama.cpp's pre-tokenizer types (`tokenizer.ggml.pre`) that differ from GPT-2's:

@@ -201,6 +201,11 @@ class MessagesRequest(_Conversation):
 # ------------------------------------------------------------------ the response
 
 
+# a streamed block as content_block_start announces it; its deltas are {"type": "<kind>_delta", "<kind>": ...}
+_EMPTY_BLOCKS: dict[str, dict[str, str]] = {"text": {"type": "text", "text": ""},
+                                            "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
+
+
 def _event(kind: str, payload: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n"
 
@@ -285,28 +290,19 @@ class MessagesBuilder(PartEvents):
         self.open_block = None
         return [_event("content_block_stop", {"index": self.blocks - 1})]
 
-    def _text(self, text: str) -> list[str]:
+    def _stream_text(self, kind: str, text: str) -> list[str]:
+        """A piece of the answer (kind "text") or of the reasoning (kind "thinking"), in the block of that kind
+        (started if another one is open)."""
         if not text:
             return []
-        events = [] if self.open_block == "text" else self._start("text", {"type": "text", "text": ""})
+        events = [] if self.open_block == kind else self._start(kind, dict(_EMPTY_BLOCKS[kind]))
         events.append(_event("content_block_delta", {"index": self.blocks - 1,
-                                                     "delta": {"type": "text_delta", "text": text}}))
-        return events
-
-    def _thinking(self, thought: str) -> list[str]:
-        if not thought:
-            return []
-        events = [] if self.open_block == "thinking" else self._start(
-            "thinking", {"type": "thinking", "thinking": "", "signature": ""})
-        events.append(_event("content_block_delta", {"index": self.blocks - 1,
-                                                     "delta": {"type": "thinking_delta", "thinking": thought}}))
+                                                     "delta": {"type": f"{kind}_delta", kind: text}}))
         return events
 
     def part_events(self, part: Part) -> list[str]:
-        if part.kind == "reasoning":
-            return self._thinking(part.text)
-        if part.kind == "text":
-            return self._text(part.text)
+        if part.kind in ("reasoning", "text"):
+            return self._stream_text("thinking" if part.kind == "reasoning" else "text", part.text)
         if part.kind == "call":
             self.called = True
             return self._start("tool_use", {"type": "tool_use", "id": _tool_use_id(), "name": part.text, "input": {}})
@@ -314,7 +310,7 @@ class MessagesBuilder(PartEvents):
                                                "delta": {"type": "input_json_delta", "partial_json": part.text}})]
 
     def closing_events(self) -> list[str]:
-        events = self._close() if self.blocks else self._start("text", {"type": "text", "text": ""}) + self._close()
+        events = self._close() if self.blocks else self._start("text", dict(_EMPTY_BLOCKS["text"])) + self._close()
         stop_reason, stop_sequence = self._stop()
         events.append(_event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                                "usage": {"output_tokens": self.output_tokens}}))

@@ -39,7 +39,7 @@ from tokenmill.server.middleware import RequestGate, ServerState, error_body
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder, StreamBuilder
 from tokenmill.server.responses_api import DEFAULT_STORE_SIZE, ResponseStore, add_responses_routes
-from tokenmill.server.serving import Serving, tool_constraint
+from tokenmill.server.serving import Serving, params_or_400, tool_constraint
 from tokenmill.server.tokenizer_api import add_tokenizer_routes
 from tokenmill.server.tools import prepare_conversation
 
@@ -247,9 +247,6 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
             "max_model_len": llm.max_model_len,
         }]}
 
-    add_tokenizer_routes(app, tokenizer, llm.max_model_len, check_api_key, check_model,
-                         options.enable_tokenizer_info_endpoint)
-
     def submit(request_id: str, prompt: Any, params: Any, priority: int) -> RequestStream:
         try:
             return llm.add_request(request_id, prompt, params, priority, strict_max_tokens=True)
@@ -313,7 +310,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         check_model(body.model)
-        params = _params(lambda: body.sampling_params(body.engine_max_tokens, body.logprobs, body.constraint(),
+        params = params_or_400(lambda: body.sampling_params(body.engine_max_tokens, body.logprobs, body.constraint(),
                                                       body.scored_prompt_logprobs))
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]
         builder = ResponseBuilder("completion", model_name, tokenizer, len(prompts), params.n,
@@ -323,16 +320,18 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         return await serve(builder, prompts, params, body.priority, body.stream, http_request)
 
     def encode_chat(conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
         try:
             messages, template_vars = prepare_conversation(conversation, tools, tokenizer.chat_template)
-            return tokenizer.encode_chat(messages, add_generation_prompt, **template_vars)
+            return tokenizer.encode_chat(messages, add_generation_prompt, add_special_tokens=add_special_tokens,
+                                         **template_vars)
         except Exception as exc:  # a template that rejects the conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
 
     serving = Serving(model_name, tokenizer, llm.max_model_len, serve, encode_chat,
                       options.enable_auto_tool_choice and options.tool_call_parser is not None, check_api_key,
                       check_model, reasoning_parser(llm.config.reasoning_parser))
+    add_tokenizer_routes(app, serving, options.enable_tokenizer_info_endpoint)
     add_messages_routes(app, serving)
     add_responses_routes(app, serving, ResponseStore(options.responses_store_size))
 
@@ -345,7 +344,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         serving.check_tool_mode(tool_mode)
         tools = body.tool_definitions()
         named = body.tool_choice.function.name if tool_mode == "named" else None  # type: ignore[union-attr]
-        params = _params(lambda: body.sampling_params(max_tokens, top if body.logprobs else None, tool_constraint(
+        params = params_or_400(lambda: body.sampling_params(max_tokens, top if body.logprobs else None, tool_constraint(
             tool_mode, tools, named, body.parallel_tool_calls, body.constraint())))
         prompt_ids = encode_chat(body.conversation(), tools, body.add_generation_prompt)
         builder = ResponseBuilder("chat", model_name, tokenizer, 1, params.n,
@@ -356,13 +355,6 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                            http_request)
 
     return app
-
-
-def _params(make: Callable[[], Any]) -> Any:
-    try:
-        return make()
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
 
 
 async def _merge(streams: list[RequestStream], on_finished: Callable[[str, RequestOutput], None],

@@ -95,11 +95,8 @@ class ResponseBuilder:
     def update(self, prompt_index: int, output: RequestOutput) -> list[tuple[int, CompletionOutput]]:
         self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
         self.cached_tokens[prompt_index] = output.num_cached_tokens
-        if self.prompts[prompt_index] is None or output.prompt_logprobs is not None:
-            text = output.prompt
-            if text is None:
-                text = self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
-            self.prompts[prompt_index] = EchoedPrompt(text, list(output.prompt_token_ids), output.prompt_logprobs)
+        if self.echo or self.prompt_logprobs is not None:
+            self._record_prompt(prompt_index, output)
         changed = []
         for completion in output.outputs:
             if self.drop_generated:
@@ -115,6 +112,18 @@ class ResponseBuilder:
             if completion.delta_text or completion.delta_token_ids or completion.finish_reason:
                 changed.append((index, completion))
         return changed
+
+    def _record_prompt(self, prompt_index: int, output: RequestOutput) -> None:
+        """The prompt echo and prompt_logprobs hand back: its text once (decoded for a token prompt), its
+        logprobs when they arrive (with the first token)."""
+        prompt = self.prompts[prompt_index]
+        if prompt is None:
+            text = output.prompt
+            if text is None:
+                text = self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
+            self.prompts[prompt_index] = EchoedPrompt(text, list(output.prompt_token_ids), output.prompt_logprobs)
+        elif prompt.logprobs is None:
+            prompt.logprobs = output.prompt_logprobs
 
     def usage(self) -> dict[str, Any]:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)

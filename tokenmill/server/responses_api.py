@@ -21,7 +21,6 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.reasoning import ReasoningParser
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
-from tokenmill.server.middleware import error_body
 from tokenmill.server.output_parts import OutputSplitter, Part, PartEvents, split_output
 from tokenmill.server.serving import Serving, params_or_400, tool_constraint
 from tokenmill.structured_output.params import StructuredOutputsParams
@@ -360,35 +359,29 @@ class ResponsesBuilder(PartEvents):
                             arguments=item["arguments"], name=item["name"]),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
-    def _text(self, text: str) -> list[str]:
+    def _stream_text(self, kind: str, text: str) -> list[str]:
+        """A piece of the answer (kind "message") or of the reasoning (kind "reasoning"), in the item of that
+        kind (opened if another one is open)."""
         if not text:
             return []
         events = []
-        if self.open_item is None or self.open_item["type"] != "message":
-            events = self._open(self._message(_new_id("msg"), ""))
+        if self.open_item is None or self.open_item["type"] != kind:
+            item = self._message(_new_id("msg"), "") if kind == "message" else self._reasoning(_new_id("rs"), "")
+            events = self._open(item)
         assert self.open_item is not None
         self.open_item["content"][0]["text"] += text
-        events.append(self._event("response.output_text.delta", item_id=self.open_item["id"],
-                                  output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[]))
-        return events
-
-    def _thought(self, text: str) -> list[str]:
-        if not text:
-            return []
-        events = []
-        if self.open_item is None or self.open_item["type"] != "reasoning":
-            events = self._open(self._reasoning(_new_id("rs"), ""))
-        assert self.open_item is not None
-        self.open_item["content"][0]["text"] += text
-        events.append(self._event("response.reasoning_text.delta", item_id=self.open_item["id"],
-                                  output_index=len(self.items) - 1, content_index=0, delta=text))
+        where = {"item_id": self.open_item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        if kind == "message":
+            events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=[]))
+        else:
+            events.append(self._event("response.reasoning_text.delta", **where, delta=text))
         return events
 
     def part_events(self, part: Part) -> list[str]:
         if part.kind == "reasoning":
-            return self._thought(part.text)
+            return self._stream_text("reasoning", part.text)
         if part.kind == "text":
-            return self._text(part.text)
+            return self._stream_text("message", part.text)
         if part.kind == "call":
             return self._open(self._call(_new_id("fc"), _new_id("call"), part.text, ""))
         if self.open_item is None:
@@ -404,8 +397,7 @@ class ResponsesBuilder(PartEvents):
         return events + [self._event("response.completed", response=self._finish(self.items))]
 
     def error_events(self, error: APIError) -> list[str]:
-        inner = error_body(error.status, error.message, error.err_type, error.param)["error"]
-        return [self._event("error", code=str(error.status), message=inner["message"], param=inner["param"])]
+        return [self._event("error", code=str(error.status), message=error.message, param=error.param)]
 
 
 # ------------------------------------------------------------------ the routes

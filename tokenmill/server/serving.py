@@ -29,8 +29,9 @@ class Serving:
     tokenizer: Tokenizer
     max_model_len: int
     serve: ServeFn
-    # messages in the chat API's shape, tool definitions -> prompt token ids (APIError 400 if the template fails)
-    encode_chat: Callable[[list[dict[str, Any]], Sequence[dict[str, Any]]], list[int]]
+    # (messages in the chat API's shape, tool definitions, add_generation_prompt, add_special_tokens) -> prompt
+    # token ids (APIError 400 if the template fails)
+    encode_chat: Callable[..., list[int]]
     auto_tool_choice: bool  # --enable-auto-tool-choice with a --tool-call-parser: "auto" can parse calls
     check_api_key: Callable[..., Any]
     check_model: Callable[[str | None], None]

@@ -3,16 +3,14 @@ GET /tokenizer_info, which clients such as lm-evaluation-harness's remote tokeni
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatMessage, ChatTool, message_dict
-from tokenmill.server.tools import prepare_conversation
+from tokenmill.server.serving import Serving
 
 
 class TokenizeRequest(BaseModel):
@@ -43,24 +41,16 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def add_tokenizer_routes(app: FastAPI, tokenizer: Tokenizer, max_model_len: int,
-                         check_api_key: Callable[..., Any], check_model: Callable[[str | None], None],
-                         enable_info: bool) -> None:
-    def fail(message: str, param: str | None = None) -> APIError:
-        return APIError(400, message, param=param)
+def add_tokenizer_routes(app: FastAPI, serving: Serving, enable_info: bool) -> None:
+    tokenizer, max_model_len = serving.tokenizer, serving.max_model_len
 
-    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    @app.post("/tokenize", dependencies=[Depends(serving.check_api_key)])
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        check_model(body.model)
+        serving.check_model(body.model)
         if body.messages is not None:
             tools = [t.function.model_dump(exclude_none=True) for t in body.tools or []]
-            conversation = [message_dict(m) for m in body.messages]
-            try:
-                messages, template_vars = prepare_conversation(conversation, tools, tokenizer.chat_template)
-                text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, **template_vars)
-            except Exception as exc:  # no template, or one that rejects the conversation
-                raise fail(f"chat template failed: {exc}", "messages") from exc
-            tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            tokens = serving.encode_chat([message_dict(m) for m in body.messages], tools, body.add_generation_prompt,
+                                         bool(body.add_special_tokens))
         else:
             assert body.prompt is not None
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -68,16 +58,16 @@ def add_tokenizer_routes(app: FastAPI, tokenizer: Tokenizer, max_model_len: int,
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
                 "token_strs": [tokenizer.id_to_token(t) for t in tokens] if body.return_token_strs else None}
 
-    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    @app.post("/detokenize", dependencies=[Depends(serving.check_api_key)])
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        check_model(body.model)
+        serving.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
         if bad:
-            raise fail(f"token ids out of range [0, {tokenizer.vocab_size}): {bad[:5]}", "tokens")
+            raise APIError(400, f"token ids out of range [0, {tokenizer.vocab_size}): {bad[:5]}", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     if enable_info:
-        @app.get("/tokenizer_info", dependencies=[Depends(check_api_key)])
+        @app.get("/tokenizer_info", dependencies=[Depends(serving.check_api_key)])
         async def tokenizer_info() -> dict[str, Any]:
             return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token or None,
                     "bos_token": tokenizer.bos_token or None, "pad_token": None,
