@@ -51,6 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batching", default=defaults.batching, choices=["continuous", "dynamic", "static"])
     g.add_argument("--seed", type=int, default=defaults.seed)
     g.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests)
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    g.add_argument("--max-loras", type=int, default=defaults.max_loras,
+                   help="adapters resident (and running) at once")
+    g.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank)
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (default: --max-loras)")
     g.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'')
 
@@ -70,6 +76,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
         priority_aging_per_s=args.priority_aging_per_s, batching=args.batching, seed=args.seed,
         max_waiting_requests=args.max_waiting_requests, speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 
@@ -127,6 +135,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from tokenmill.server.app import ServerOptions, run_server
+    from tokenmill.server.lora_api import parse_lora_modules
 
     if args.model_path is not None:
         if args.model is not None and args.model != args.model_path:
@@ -142,7 +151,8 @@ def _serve(args: argparse.Namespace) -> int:
         step_trace=args.step_trace, data_parallel_size=args.data_parallel_size, router=args.router,
         distributed_executor_backend=args.distributed_executor_backend, disaggregated=args.disaggregated,
         kv_transport=args.kv_transport, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-        responses_store_size=args.responses_store_size,
+        responses_store_size=args.responses_store_size, lora_modules=parse_lora_modules(args.lora_modules),
+        enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_dir=args.lora_dir,
     )
     return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
                       log_level=args.log_level)
@@ -196,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--responses-store-size", type=int, default=1000,
                        help="Responses API: how many stored responses previous_response_id can continue (in memory, "
                             "least recently used evicted first; 0 stores none)")
+    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help='adapters to serve (PEFT directories): name=path or \'{"name": ..., "path": ...}\'')
+    serve.add_argument("--enable-runtime-lora-updating", action="store_true",
+                       help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths under --lora-dir)")
+    serve.add_argument("--lora-dir", default=None,
+                       help="the directory run-time adapter loads may read from")
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="engine-core processes, each with its own model copy and KV cache; the CPUs are split "
                             "between them")

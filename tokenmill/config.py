@@ -132,6 +132,12 @@ class EngineConfig:
     # saves their KV blocks through a connector; a "consumer" loads them and decodes. None: colocated.
     kv_role: str | None = None
     kv_transport: str = "shm"  # "shm" (engines on one host) or "tcp"
+    # Multi-LoRA (vLLM's flags): requests may name an adapter; up to max_loras of them resident (and running) at
+    # once, each of rank <= max_lora_rank; max_cpu_loras kept in host memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -161,6 +167,12 @@ class EngineConfig:
             raise ValueError(f"kv_role must be producer or consumer, got {self.kv_role!r}")
         if self.kv_transport not in ("shm", "tcp"):
             raise ValueError(f"kv_transport must be shm or tcp, got {self.kv_transport!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            positive(name)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.kv_role is not None:
+            raise ValueError("LoRA adapters are not supported with prefill/decode disaggregation")
         if self.priority_aging_per_s < 0:
             raise ValueError("priority_aging_per_s must be >= 0")
         from tokenmill.spec_decode.config import SpeculativeConfig

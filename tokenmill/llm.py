@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -32,8 +33,17 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt; the engine
+        needs `enable_lora=True`."""
         prompt_list = _prompt_list(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError("give one LoRARequest or one per prompt")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -43,15 +53,15 @@ class LLM:
         ids = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             ids.append(self.engine.add_request(f"offline-{id(self)}-{i}", prompt, params,
-                                               priority=priority[i] if priority else 0))
+                                               priority=priority[i] if priority else 0, lora_request=loras[i]))
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.manager import StructuredOutputRequest
 
@@ -46,7 +47,7 @@ class RequestTimes:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None, priority: int = 0,
-                 prompt: str | None = None) -> None:
+                 prompt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         self.request_id = request_id
@@ -57,6 +58,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.priority = priority
+        self.lora_request = lora_request  # the adapter it runs under; None: the base model
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0

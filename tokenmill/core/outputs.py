@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class ScheduledRequest:
     num_spec_tokens: int = 0
     structured: bool = False  # its sampled rows are masked by the plan's grammar bitmask
     score_prompt: bool = False  # prompt logprobs wanted: score the prompt tokens this chunk predicts
+    lora_request: LoRARequest | None = None  # the adapter its rows run under (None: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -105,3 +107,7 @@ class SchedulerStats:
     step_seconds: float | None = None
     prediction_error: float | None = None
     over_target: bool = False
+    # multi-LoRA: the adapters of the running and of the waiting requests (None: the engine serves none)
+    running_loras: list[str] | None = None
+    waiting_loras: list[str] | None = None
+    max_loras: int = 0

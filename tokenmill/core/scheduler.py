@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from tokenmill.config import EngineConfig
 from tokenmill.core.grammar_waits import GrammarWaits
 from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit
+from tokenmill.core.lora_waits import AdapterSource, LoRAWaits
 from tokenmill.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -59,9 +60,11 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic,
                  structured_output: StructuredOutputManager | None = None,
-                 reasoning_tags: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
+                 reasoning_tags: tuple[Sequence[int], Sequence[int]] | None = None,
+                 adapters: AdapterSource | None = None) -> None:
         self.config = config
         self.grammars = GrammarWaits(structured_output, reasoning_tags)
+        self.loras = LoRAWaits(adapters, config.max_loras)
         self.kv = kv
         self.max_model_len = max_model_len
         self.clock = clock
@@ -89,6 +92,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_request(request)
+        self.loras.add(request)
         self.grammars.add(request)
         self.requests[request.request_id] = request
         self.waiting.push(request)
@@ -197,10 +201,13 @@ class Scheduler:
         if not prompt_phase:
             budget = self._prompt_budget(num_scheduled, budget, 0)
         if not preempted:
-            for request in self.grammars.set_aside(self.waiting):  # their grammar failed to compile
+            # their grammar failed to compile, or their adapter to load
+            failed = self.grammars.set_aside(self.waiting) + [r for r, _ in self.loras.set_aside(self.waiting)]
+            for request in failed:
                 self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
                 self._outputs_since_plan.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
             budget = self._admit_waiting(budget, num_scheduled)
+            self.loras.restore(self.waiting)
             self.grammars.restore(self.waiting)
 
         return self._build_plan(num_scheduled, padding, preempted)
@@ -222,9 +229,13 @@ class Scheduler:
         partial = sum(1 for r in self.running
                       if r.request_id in num_scheduled
                       and r.num_computed_tokens + num_scheduled[r.request_id] < r.num_tokens)
+        skipped: list[Request] = []  # their adapter would exceed max_loras: the requests behind them go first
         while (len(self.waiting) and budget > 0
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting.peek()
+            if not self.loras.admits(request, self.running):
+                skipped.append(self.waiting.pop())
+                continue
             hit = self.kv.find_cached_prefix(request)
             if request.kv_transfer_params is not None and self.remote_kv is not None:
                 if not self.remote_kv.admit(request, hit):
@@ -243,6 +254,8 @@ class Scheduler:
             self._start_running(request, hit)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.push_front(request)
         return budget
 
     @property
@@ -269,6 +282,8 @@ class Scheduler:
         static = self.config.batching == "static"
         while len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not self.loras.admits(request, self.running):  # the batch is full of adapters: it closes
+                break
             hit = self.kv.find_cached_prefix(request)
             reserve = request.max_total_tokens if static else 0
             num_new = min(request.num_tokens - hit.num_tokens, budget)
@@ -346,6 +361,7 @@ class Scheduler:
                 num_spec_tokens=num_spec,
                 structured=grammar is not None,
                 score_prompt=request.needs_prompt_logprobs,
+                lora_request=request.lora_request,
             ))
             if start >= request.num_prompt_tokens:
                 decode_tokens += num_new
@@ -358,7 +374,7 @@ class Scheduler:
                 request_id=request.request_id, token_ids=[request.all_token_ids[last]], start_position=last,
                 block_table=self.kv.block_table(request.request_id), sample=False,
                 sampling_params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids, padding=True,
+                output_token_ids=request.output_token_ids, padding=True, lora_request=request.lora_request,
             ))
         finished, self._finished_since_plan = self._finished_since_plan, []
         plan = SchedulerOutput(scheduled, prefill_tokens, decode_tokens,
@@ -387,6 +403,7 @@ class Scheduler:
             num_padding_tokens=num_padding, num_preemptions=num_preempted,
             prefix_queries=self.kv.prefix_queries, prefix_hits=self.kv.prefix_hits,
             prompt_budget=self.token_budget.last_prompt_budget if self.token_budget else None,
+            **self.loras.stats(self.running, self.waiting),
         )
 
     # ------------------------------------------------------------------ after the step

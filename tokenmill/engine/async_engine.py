@@ -30,6 +30,7 @@ from tokenmill.engine.processor import InputProcessor, model_limits
 from tokenmill.engine.replica import Message, ProcessReplica, Replica, ReplicaExit, ThreadReplica, cpu_share
 from tokenmill.kv_transfer.connector import discard
 from tokenmill.kv_transfer.handoff import Handoffs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request
 from tokenmill.router.policy import Decision, Router, make_router
@@ -185,7 +186,7 @@ class AsyncLLM:
         max_model_len, eos = model_limits(loaded, tokenizer, config)
         capacity = min(r.info.num_kv_blocks * r.info.block_size for r in replicas if r.info is not None)
         processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity,
-                                   cache_salt_of=loaded.config.rope_cache_key)
+                                   cache_salt_of=loaded.config.rope_cache_key, model_config=loaded.config)
         return cls(processor, OutputProcessor(tokenizer), replicas, make_router(router, len(replicas),
                                                                                 config.block_size))
 
@@ -378,7 +379,8 @@ class AsyncLLM:
         return request_id in self._queues
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None, strict_max_tokens: bool = False) -> RequestStream:
+                    arrival_time: float | None = None, strict_max_tokens: bool = False,
+                    lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate, route and submit at once (raising QueueFullError / ValueError / EngineDeadError); the
         returned stream yields the outputs, and closing it before the end aborts the request."""
         if self.dead_error is not None:
@@ -391,7 +393,7 @@ class AsyncLLM:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
         text, token_ids, children = self.processor.make_requests(
             request_id, prompt, params, time.monotonic() if arrival_time is None else arrival_time, priority,
-            strict_max_tokens)
+            strict_max_tokens, lora_request)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self._parents.update((child.request_id, request_id) for child in children)
@@ -441,8 +443,8 @@ class AsyncLLM:
             self.replicas[index].send(kind, ids)
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt, params, priority)
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params, priority, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output

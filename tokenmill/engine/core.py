@@ -53,7 +53,9 @@ class EngineCore:
         self.executor = executor
         self.clock = clock
         self.kv = KVCacheManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, max_model_len, clock, structured_output, reasoning_tags)
+        lora = getattr(executor, "lora", None)  # the runner's adapters (multi-LoRA), if any
+        self.scheduler = Scheduler(config, self.kv, max_model_len, clock, structured_output, reasoning_tags,
+                                   None if lora is None else lora.cache)
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = Proposer(spec, config, executor.num_kv_blocks) if spec is not None else None
         self.num_steps = 0
@@ -88,8 +90,9 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty and self.scheduler.loading and self.kv_loader is not None:
             self.kv_loader.wait(IDLE_WAIT_S)  # only KV transfers in flight: wait for one, do not spin
-        if plan.is_empty:  # do not spin while the grammar worker needs the CPU
+        if plan.is_empty:  # do not spin while the grammar worker or an adapter's read needs the CPU
             self.scheduler.grammars.wait_for_one(IDLE_WAIT_S)
+            self.scheduler.loras.wait_for_one(IDLE_WAIT_S)
         try:
             output = self.executor.execute(plan)
         except Exception as exc:

@@ -13,6 +13,7 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, PromptType, model_limits
 from tokenmill.executor.model_runner import Executor, ModelRunner
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.outputs import RequestOutput
@@ -60,6 +61,7 @@ class LLMEngine:
         max_model_len, eos = model_limits(loaded, tokenizer, config)
         engine = cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size,
                      cache_salt_of=loaded.config.rope_cache_key)
+        engine.processor.model_config = loaded.config
         token_budget = engine.core.scheduler.token_budget
         if token_budget is not None and config.step_cost_profile is not None:
             from tokenmill.sim.cost_model import chunks_seconds
@@ -94,16 +96,18 @@ class LLMEngine:
 
     def make_requests(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
-        priority: int = 0, strict_max_tokens: bool = False,
+        priority: int = 0, strict_max_tokens: bool = False, lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, list[int], list[Request]]:
         """See InputProcessor.make_requests."""
-        return self.processor.make_requests(request_id, prompt, params, arrival_time, priority, strict_max_tokens)
+        return self.processor.make_requests(request_id, prompt, params, arrival_time, priority, strict_max_tokens,
+                                            lora_request)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> str:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids, children = self.make_requests(request_id, prompt, params or SamplingParams(),
-                                                       arrival_time, priority)
+                                                       arrival_time, priority, lora_request=lora_request)
         added: list[str] = []
         try:
             for child in children:

@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.scheduler import check_request_fits
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.request import Request
@@ -38,8 +39,9 @@ class InputProcessor:
                  eos_token_ids: tuple[int, ...], vocab_size: int, kv_capacity_tokens: int,
                  structured_output: StructuredOutputManager | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 cache_salt_of: Callable[[int], int] | None = None) -> None:
+                 cache_salt_of: Callable[[int], int] | None = None, model_config: ModelConfig | None = None) -> None:
         self.config = config
+        self.model_config = model_config  # the model's shape (the server checks adapters against it)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -63,14 +65,17 @@ class InputProcessor:
 
     def make_requests(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
-        priority: int = 0, strict_max_tokens: bool = False,
+        priority: int = 0, strict_max_tokens: bool = False, lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, list[int], list[Request]]:
         """Tokenize and validate; one engine request per sample (n > 1 fans out with seeds seed, seed+1, ...).
+        `lora_request`: the adapter the request runs under (the engine needs --enable-lora).
 
         Raises ValueError for anything that could never run, before any engine state changes. With
         `strict_max_tokens` (the server's rule, as vLLM's), prompt + max_tokens beyond the context is an error;
         otherwise (offline, as vLLM's LLM) generation stops at the context limit.
         """
+        if lora_request is not None and not self.config.enable_lora:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -91,7 +96,8 @@ class InputProcessor:
             )
         arrival = self.clock() if arrival_time is None else arrival_time
         if params.n == 1:
-            children = [Request(request_id, token_ids, params, self.eos_token_ids, arrival, priority, text)]
+            children = [Request(request_id, token_ids, params, self.eos_token_ids, arrival, priority, text,
+                                lora_request)]
         else:
             children = [
                 Request(f"{request_id}#{i}", token_ids,
@@ -99,11 +105,13 @@ class InputProcessor:
                         # then read the prefix cache
                         replace(params.with_seed(None if params.seed is None else params.seed + i),
                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None),
-                        self.eos_token_ids, arrival, priority, text)
+                        self.eos_token_ids, arrival, priority, text, lora_request)
                 for i in range(params.n)
             ]
         for child in children:
             if self.cache_salt_of is not None:
                 child.cache_salt = self.cache_salt_of(len(token_ids))
+            if lora_request is not None:  # KV computed under an adapter is shared only under that adapter
+                child.cache_salt = hash((child.cache_salt, lora_request.cache_salt))
             check_request_fits(child, self.max_model_len, self.kv_capacity_tokens, self.config.batching == "static")
         return text, token_ids, children

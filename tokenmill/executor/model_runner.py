@@ -14,6 +14,8 @@ from tokenmill import kernels
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.executor.sampler import Sampler, SamplingRow, logprob_entries, logprob_entry, random_probs
+from tokenmill.lora.manager import LoRAManager
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.attention import AttentionMetadata, allocate_kv_cache
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.quant import resolve_quantization
@@ -93,6 +95,11 @@ class ModelRunner:
                               model_config.head_dim, self.kv_dtype, self.device)
             for _ in range(model_config.num_layers)
         ]
+        # multi-LoRA: the adapters' slots are attached before the caches, so the native stack adds them too
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(config, model_config, self.device, self.model.rotary_order)
+            self.model.attach_lora(self.lora.slots, self.lora.context)
         self.model.bind_kv_caches(self.kv_caches)
         self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype) * self.num_kv_blocks
         self.sampler = Sampler()
@@ -148,6 +155,8 @@ class ModelRunner:
         positions = starts[seq_of_token] + np.arange(len(input_ids)) - first_row[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         meta = AttentionMetadata.build(query_lens, starts + query_lens, tables, slots, bs, self.device)
+        if self.lora is not None:
+            self.lora.prepare(scheduled)
         rope_lengths = None
         if self.model.config.rope_scaling.length_dependent:
             # each token rotated for the length transformers' generate would have had: the prompt's, then its own
@@ -199,7 +208,7 @@ class ModelRunner:
         return s.start_position + 1, entries
 
     @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], lora_request: LoRARequest | None = None) -> torch.Tensor:
         """Logits [len, vocab] after every token of one sequence run as a single prompt (teacher forcing).
 
         For quality measurements (perplexity, agreement between modes): it writes KV blocks 0..n, so call it
@@ -208,7 +217,8 @@ class ModelRunner:
         table = list(range(-(-len(token_ids) // self.block_size)))
         if len(table) > self.num_kv_blocks:
             raise ValueError(f"{len(token_ids)} tokens need {len(table)} KV blocks; the cache has {self.num_kv_blocks}")
-        request = ScheduledRequest("score", list(token_ids), 0, table, False, SamplingParams(), list(token_ids), [])
+        request = ScheduledRequest("score", list(token_ids), 0, table, False, SamplingParams(), list(token_ids), [],
+                                   lora_request=lora_request)
         hidden, _ = self._forward([request])
         return self.model.compute_logits(hidden)
 

@@ -455,7 +455,7 @@ class LinearPointers(ctypes.Structure):
     kernel and their scales, or (packed NULL) a GGUFMatmulPlan's arrays."""
 
     _fields_ = [("packed", _PTR), ("scale", _PTR), ("parts", _I64), ("types", _PTR), ("weights", _PTR),
-                ("rows", _PTR), ("row_index", _PTR)]
+                ("rows", _PTR), ("row_index", _PTR), ("lora", _PTR)]
 
     def set_int8(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
         self.packed, self.scale = packed.data_ptr(), scale.data_ptr()
@@ -480,7 +480,7 @@ def _decoder_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         return None
     return _function("decoder", "decoder_forward", [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR,
                                                     _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64,
-                                                    _F32, _I64])
+                                                    _F32, _I64, _PTR])
 
 
 def decoder_stack_available() -> bool:
@@ -497,7 +497,7 @@ def decoder_work_floats(hidden: int, heads: int, kv_heads: int, head_dim: int, i
 def decoder_forward(layers: ctypes.Array, dims: tuple[int, int, int, int, int], eps: float, residual: torch.Tensor,
                     work: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                     block_size: int, query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, kv_bf16: bool) -> torch.Tensor:
+                    scale: float, kv_bf16: bool, lora: LoRABatchPointers | None = None) -> torch.Tensor:
     """Every decoder layer over a flat batch in one call. dims = (hidden, heads, kv_heads, head_dim,
     intermediate); residual [T, hidden] float32: the embeddings in, the residual stream out (in place); work: at
     least T * decoder_work_floats(...) floats. Returns the last layer's MLP output [T, hidden]."""
@@ -512,5 +512,38 @@ def decoder_forward(layers: ctypes.Array, dims: tuple[int, int, int, int, int], 
     fn(ctypes.addressof(layers), len(layers), tokens, hidden, heads, kv_heads, head_dim, intermediate, eps,
        residual.data_ptr(), x_out.data_ptr(), work.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
        block_size, query_start.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0],
-       block_tables.shape[1], scale, int(kv_bf16))
+       block_tables.shape[1], scale, int(kv_bf16), None if lora is None else ctypes.addressof(lora))
     return x_out
+
+
+MAX_LORA_RANK = 256  # kernels/lora.c keeps a tile's rank-sized intermediates on the stack
+
+
+class LoRAWeightsPointers(ctypes.Structure):
+    """One projection's LoRA parts in the resident slots (kernels/lora.c: LoRAWeights), as raw addresses."""
+
+    _fields_ = [("parts", _I64), ("in_features", _I64), ("max_rank", _I64), ("offset", _PTR), ("width", _PTR),
+                ("a", _PTR), ("bt", _PTR), ("ranks", _PTR), ("slots", _I64)]
+
+
+class LoRABatchPointers(ctypes.Structure):
+    """A step's rows grouped by adapter slot (kernels/lora.c: LoRABatch)."""
+
+    _fields_ = [("segments", _I64), ("slot", _PTR), ("start", _PTR), ("rows", _PTR)]
+
+
+@functools.cache
+def _lora_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return _function("lora", "lora_add", [_PTR, _PTR, _PTR, _I64, _PTR, _I64])
+
+
+def lora_add_supported(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _lora_fn() is not None
+
+
+def lora_add(weights: LoRAWeightsPointers, batch: LoRABatchPointers, x: torch.Tensor, y: torch.Tensor) -> None:
+    """In place: y[row, part columns] += (x[row] @ A[slot].T) @ Bt[slot] for the batch's rows (kernels/lora.c).
+    x [T, in], y [T, out] float32 with unit column stride."""
+    fn = _lora_fn()
+    assert fn is not None and x.stride(1) == 1 and y.stride(1) == 1 and x.dtype == y.dtype == torch.float32
+    fn(ctypes.addressof(weights), ctypes.addressof(batch), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0))

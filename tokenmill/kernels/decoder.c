@@ -9,6 +9,7 @@
 #include "int8_rows.c"
 #include "paged_attention.c"
 #include "gguf_matmul.c"
+#include "lora.c"
 
 // One projection: int8 weights packed by int8_pack with per-output-channel scales, or (packed NULL) the stacked
 // GGUF tensors gguf_matmul reads (kernels.GGUFMatmulPlan's arrays).
@@ -20,6 +21,7 @@ typedef struct {
     const uint8_t *const *weights;
     const int64_t *rows;
     const int64_t *const *row_index;
+    const LoRAWeights *lora;  // the adapters' parts on this projection, or NULL
 } Linear;
 
 typedef struct {
@@ -29,9 +31,10 @@ typedef struct {
     void *k_cache, *v_cache;
 } DecoderLayer;
 
-// out [tokens, n] = x [tokens, k] @ W.T (+ bias), as Int8Linear / GGUFLinear compute it
-static void linear(const Linear *w, const float *x, int64_t tokens, int64_t k, const float *bias, float *out,
-                   int64_t n) {
+// out [tokens, n] = x [tokens, k] @ W.T (+ bias), as Int8Linear / GGUFLinear compute it, plus the rows' LoRA
+// deltas as model/llama.py adds them after the projection
+static void base_linear(const Linear *w, const float *x, int64_t tokens, int64_t k, const float *bias, float *out,
+                        int64_t n) {
     if (w->packed) {
         int8_linear_grouped(x, tokens, k, k, w->packed, w->scale, bias, out, n);
         return;
@@ -46,6 +49,13 @@ static void linear(const Linear *w, const float *x, int64_t tokens, int64_t k, c
     free(corr);
 }
 
+// lora: the step's rows by adapter (NULL: none)
+static void linear(const Linear *w, const float *x, int64_t tokens, int64_t k, const float *bias, float *out,
+                   int64_t n, const LoRABatch *lora) {
+    base_linear(w, x, tokens, k, bias, out, n);
+    if (lora != NULL && w->lora != NULL) lora_add(w->lora, lora, x, k, out, n);
+}
+
 // residual [tokens, hidden]: the embeddings in, the residual stream out (updated in place, as in llama.py);
 // x_out [tokens, hidden]: the last layer's MLP output. The caller adds and normalizes the two (the final norm).
 // work: tokens * (hidden + qkv + 2 * q + hidden + 3 * intermediate) floats.
@@ -54,22 +64,22 @@ void decoder_forward(const DecoderLayer *layers, int64_t num_layers, int64_t tok
                      float *residual, float *x_out, float *work, const float *cos, const float *sin,
                      const int64_t *slots, int64_t block_size, const int64_t *query_start, const int64_t *seq_lens,
                      const int64_t *block_tables, int64_t num_seqs, int64_t max_blocks, float scale,
-                     int64_t kv_bf16) {
+                     int64_t kv_bf16, const LoRABatch *lora) {
     const int64_t q_width = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
     float *h = work, *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_width, *attn = q + tokens * q_width;
     float *o = attn + tokens * q_width, *gate_up = o + tokens * hidden, *act = gate_up + tokens * 2 * intermediate;
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *layer = layers + i;
         add_rms_norm(residual, i == 0 ? NULL : x_out, hidden, layer->input_norm, eps, h, tokens, hidden);
-        linear(&layer->qkv, h, tokens, hidden, layer->qkv_bias, qkv, qkv_width);
+        linear(&layer->qkv, h, tokens, hidden, layer->qkv_bias, qkv, qkv_width, lora);
         rope_and_cache(qkv, qkv_width, tokens, heads, kv_heads, head_dim, cos, sin, slots, block_size,
                        layer->k_cache, layer->v_cache, q, kv_bf16);
         paged_attention(attn, q, layer->k_cache, layer->v_cache, query_start, seq_lens, block_tables, num_seqs,
                         max_blocks, heads, kv_heads, head_dim, block_size, q_width, q_width, scale, kv_bf16, 0);
-        linear(&layer->o, attn, tokens, q_width, NULL, o, hidden);
+        linear(&layer->o, attn, tokens, q_width, NULL, o, hidden, lora);
         add_rms_norm(residual, o, hidden, layer->post_norm, eps, h, tokens, hidden);
-        linear(&layer->gate_up, h, tokens, hidden, NULL, gate_up, 2 * intermediate);
+        linear(&layer->gate_up, h, tokens, hidden, NULL, gate_up, 2 * intermediate, lora);
         silu_and_mul(gate_up, tokens, intermediate, act);
-        linear(&layer->down, act, tokens, intermediate, NULL, x_out, hidden);
+        linear(&layer->down, act, tokens, intermediate, NULL, x_out, hidden, lora);
     }
 }

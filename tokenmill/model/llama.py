@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.config import ModelConfig
+from tokenmill.lora.slots import LayerLoRA, LoRAContext, LoRASlots
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenmill.model.gguf_linear import GGUFLinear
 from tokenmill.model.loader import LazyWeights
@@ -74,6 +75,7 @@ class Attention(nn.Module):
         self.scale = config.softmax_scale
         self.window = window  # keys a query sees (itself included) on a sliding-window layer; None: all
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
+        self.lora: LayerLoRA | None = None  # multi-LoRA: adds the step's adapter deltas (attach_lora)
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
         """QK-norm, in place on the fused projection: each head's q and k through its RMSNorm."""
@@ -89,6 +91,8 @@ class Attention(nn.Module):
             raise RuntimeError("KV cache not bound: the model runner allocates it before the first step")
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.lora is not None:
+            self.lora.add("qkv", x, qkv)
         if self.q_norm is not None:
             self._norm_heads(qkv)
         k_cache, v_cache = self.kv_cache
@@ -110,7 +114,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        out = out.reshape(tokens, self.q_size)
+        y = self.o_proj(out)
+        return y if self.lora is None else self.lora.add("o", out, y)
 
 
 class MLP(nn.Module):
@@ -120,14 +126,19 @@ class MLP(nn.Module):
         self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_up_proj = make_linear(quantization, config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = make_linear(quantization, config.intermediate_size, config.hidden_size)
+        self.lora: LayerLoRA | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.lora is not None:
+            self.lora.add("gate_up", x, gate_up)
         if not self.gelu and kernels.layer_ops_supported(gate_up):
-            return self.down_proj(kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+            act = kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
+        y = self.down_proj(act)
+        return y if self.lora is None else self.lora.add("down", act, y)
 
 
 class DecoderLayer(nn.Module):
@@ -179,6 +190,9 @@ class NativeDecoderStack:
             linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
             for name, linear in linears.items():
                 pointers = getattr(slot, name)
+                lora = layer.self_attn.lora if name in ("qkv", "o") else layer.mlp.lora
+                if lora is not None:
+                    pointers.lora = kernels.ctypes.addressof(lora.projections[name].pointers)
                 int8 = _native_int8(linear)
                 if int8 is not None:
                     assert int8.packed is not None
@@ -199,6 +213,7 @@ class NativeDecoderStack:
         self.block_size = self.caches[0][0].shape[3]
         self.kv_bf16 = self.caches[0][0].dtype == torch.bfloat16
         self.work = torch.empty(0)  # scratch, grown to the largest batch seen
+        self.lora_context = model.lora_context
 
     @staticmethod
     def supported(model: LlamaForCausalLM) -> bool:
@@ -225,9 +240,11 @@ class NativeDecoderStack:
         needed = x.shape[0] * kernels.decoder_work_floats(*self.dims)
         if self.work.numel() < needed:
             self.work = torch.empty(needed)
+        lora = None if self.lora_context is None else self.lora_context.batch
         out = kernels.decoder_forward(self.pointers, self.dims, self.eps, x, self.work, rope[0], rope[1],
                                       meta.slot_mapping, self.block_size, meta.query_start, meta.seq_lens,
-                                      meta.block_tables, self.scale, self.kv_bf16)
+                                      meta.block_tables, self.scale, self.kv_bf16,
+                                      None if lora is None else lora.pointers)
         return out, x
 
 
@@ -280,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = make_linear(quantization, config.hidden_size, config.vocab_size)
         self._stack: NativeDecoderStack | None = None  # set by bind_kv_caches
         self.rotary_order = _partial_rotary_order(config)
+        self.lora_context: LoRAContext | None = None  # set by attach_lora
 
 
     @property
@@ -305,6 +323,13 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.decoder_layers:
             x, residual = layer(x, residual, rope if layer.self_attn.window is None else local_rope, meta)
         return self.norm(x, residual)[0]
+
+    def attach_lora(self, slots: LoRASlots, context: LoRAContext) -> None:
+        """Every projection adds the deltas of the adapters in `slots` for the rows `context.batch` names (before
+        bind_kv_caches, so that the native stack adds them too)."""
+        self.lora_context = context
+        for layer, projections in zip(self.decoder_layers, slots.layers):
+            layer.self_attn.lora = layer.mlp.lora = LayerLoRA(projections, context)
 
     def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give each layer its (K, V) cache; then the one-call decoder stack is set up where it applies."""

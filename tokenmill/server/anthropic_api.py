@@ -335,7 +335,7 @@ def add_messages_routes(app: FastAPI, serving: Serving) -> None:
 
     @app.post(ANTHROPIC_PATH, dependencies=[Depends(serving.check_api_key)])
     async def messages(body: MessagesRequest, http_request: Request) -> Response:
-        serving.check_model(body.model)
+        lora = serving.check_model(body.model)
         tool_mode = body.tool_mode
         serving.check_tool_mode(tool_mode)
         tools = body.tool_definitions()
@@ -345,9 +345,10 @@ def add_messages_routes(app: FastAPI, serving: Serving) -> None:
         params = params_or_400(lambda: body.sampling_params(tool_constraint(tool_mode, tools, named, parallel,
                                                                             body.constraint())))
         prompt_ids = prompt_of(body)
-        builder = MessagesBuilder(serving.model_name, len(prompt_ids), tool_mode, list(body.stop_sequences or []),
-                                  serving.reasoning)
-        return await serving.serve(builder, [{"prompt_token_ids": prompt_ids}], params, 0, body.stream, http_request)
+        builder = MessagesBuilder(serving.served_name(lora), len(prompt_ids), tool_mode,
+                                  list(body.stop_sequences or []), serving.reasoning)
+        return await serving.serve(builder, [{"prompt_token_ids": prompt_ids}], params, 0, body.stream, http_request,
+                                   lora)
 
     @app.post(ANTHROPIC_PATH + "/count_tokens", dependencies=[Depends(serving.check_api_key)])
     async def count_tokens(body: _Conversation) -> dict[str, int]:

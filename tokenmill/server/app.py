@@ -28,12 +28,14 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, QueueFullError, RequestStream
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats_logger import DEFAULT_INTERVAL_S, LoggingStatLogger
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import in_passing_thread
 from tokenmill.reasoning import reasoning_parser
 from tokenmill.server.anthropic_api import ANTHROPIC_PATH, add_messages_routes, anthropic_error_body
 from tokenmill.server.errors import APIError
 from tokenmill.server.lifecycle import GracefulServer, ShuttingDownError
+from tokenmill.server.lora_api import LoRAModule, LoRARegistry, add_lora_routes
 from tokenmill.server.metrics import EngineMetrics
 from tokenmill.server.middleware import RequestGate, ServerState, error_body
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -73,6 +75,10 @@ class ServerOptions:
     distributed_executor_backend: str = "mp"  # where the engine cores run: "mp" (local processes) or "ray"
     disaggregated: str | None = None  # "xPyD": x prefill engines and y decode engines instead of colocated ones
     kv_transport: str = "shm"  # how KV moves between them: "shm" (one host) or "tcp"
+    # adapters served from the start (--lora-modules name=path ...; the engine needs --enable-lora)
+    lora_modules: list[LoRAModule] = field(default_factory=list)
+    enable_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_dir: str | None = None  # the only directory run-time loads may read adapters from
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -138,6 +144,23 @@ def default_model_name(config: EngineConfig) -> str:
     return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name
 
 
+def _lora_registry(llm: AsyncLLM, model_name: str, options: ServerOptions) -> LoRARegistry | None:
+    """The adapters this server serves (None: the engine has no LoRA support), --lora-modules checked now."""
+    config = llm.config
+    if not config.enable_lora:
+        if options.lora_modules or options.enable_runtime_lora_updating:
+            raise ValueError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
+        return None
+    assert llm.processor.model_config is not None
+    registry = LoRARegistry(model_name, llm.processor.model_config, config.max_lora_rank, options.lora_dir)
+    for module in options.lora_modules:
+        try:
+            registry.add(module.name, module.path)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from exc
+    return registry
+
+
 def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
               state: ServerState | None = None) -> FastAPI:
     """The API over a front end (an engine built in this process is served by one core stepping in a thread)."""
@@ -148,6 +171,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         llm = AsyncLLM.from_engine(llm)
     model_name = options.served_model_name or default_model_name(llm.config)
     tokenizer = llm.tokenizer
+    loras = _lora_registry(llm, model_name, options)
     metrics = EngineMetrics(model_name)
     metrics.add_replicas(len(llm.replicas))
     llm.step_listeners.append(metrics.on_step)
@@ -219,9 +243,16 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                 request.headers.get("x-api-key") != api_key:
             raise APIError(401, "invalid or missing API key", "authentication_error")
 
-    def check_model(requested: str | None) -> None:
+    def check_model(requested: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for one nobody serves."""
+        if loras is not None:
+            return loras.resolve(requested)
         if requested is not None and requested != model_name:
             raise APIError(404, f"the model `{requested}` does not exist", "not_found_error", "model")
+        return None
+
+    def served_name(lora: LoRARequest | None) -> str:
+        return model_name if lora is None else lora.lora_name
 
     @app.get("/health")
     async def health() -> Response:
@@ -242,14 +273,15 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models() -> dict[str, Any]:
+        created = int(time.time())
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
+            "id": model_name, "object": "model", "created": created, "owned_by": "tokenmill",
             "max_model_len": llm.max_model_len,
-        }]}
+        }] + ([] if loras is None else loras.model_cards(created))}
 
-    def submit(request_id: str, prompt: Any, params: Any, priority: int) -> RequestStream:
+    def submit(request_id: str, prompt: Any, params: Any, priority: int, lora: LoRARequest | None) -> RequestStream:
         try:
-            return llm.add_request(request_id, prompt, params, priority, strict_max_tokens=True)
+            return llm.add_request(request_id, prompt, params, priority, strict_max_tokens=True, lora_request=lora)
         except QueueFullError as exc:
             raise APIError(429, str(exc), "rate_limit_exceeded", headers={"Retry-After": "1"}) from exc
         except EngineDeadError as exc:
@@ -257,8 +289,8 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
-    def on_finished(endpoint: str, request_id: str, output: RequestOutput) -> None:
-        metrics.on_finished(output, endpoint)
+    def on_finished(endpoint: str, request_id: str, output: RequestOutput, lora: LoRARequest | None) -> None:
+        metrics.on_finished(output, endpoint, None if lora is None else lora.lora_name)
         if options.enable_log_requests:
             reasons = ",".join(str(c.finish_reason) for c in output.outputs)
             generated = sum(len(c.token_ids) for c in output.outputs)
@@ -266,7 +298,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                         reasons, len(output.prompt_token_ids), generated)
 
     async def serve(builder: StreamBuilder, prompts: list[Any], params: Any, priority: int, stream: bool,
-                    http_request: Request) -> Response:
+                    http_request: Request, lora: LoRARequest | None = None) -> Response:
         # Submit every prompt before awaiting any, closing them all if one is rejected. Engine request ids
         # derive from the response id (so from X-Request-Id), made unique if a client reuses one.
         streams: list[RequestStream] = []
@@ -275,7 +307,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                 request_id = f"{builder.response_id}-{i}"
                 if llm.has_request(request_id):
                     request_id += "-" + uuid.uuid4().hex[:8]
-                streams.append(submit(request_id, prompt, params, priority))
+                streams.append(submit(request_id, prompt, params, priority, lora))
         except APIError as exc:
             for s in streams:
                 s.close()
@@ -288,7 +320,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                             len(s.children[0].prompt_token_ids), params)
         deadline = None if options.request_timeout is None else time.monotonic() + options.request_timeout
         endpoint = http_request.url.path
-        merged = _merge(streams, lambda request_id, output: on_finished(endpoint, request_id, output), deadline)
+        merged = _merge(streams, lambda request_id, output: on_finished(endpoint, request_id, output, lora), deadline)
         if stream:
             return StreamingResponse(_sse(builder, merged), media_type="text/event-stream")
 
@@ -309,15 +341,15 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
-        check_model(body.model)
+        lora = check_model(body.model)
         params = params_or_400(lambda: body.sampling_params(body.engine_max_tokens, body.logprobs, body.constraint(),
                                                       body.scored_prompt_logprobs))
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]
-        builder = ResponseBuilder("completion", model_name, tokenizer, len(prompts), params.n,
+        builder = ResponseBuilder("completion", served_name(lora), tokenizer, len(prompts), params.n,
                                   logprobs=body.logprobs, request_id=http_request.state.request_id, echo=body.echo,
                                   drop_generated=body.max_tokens == 0, prompt_logprobs=body.prompt_logprobs)
         builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await serve(builder, prompts, params, body.priority, body.stream, http_request)
+        return await serve(builder, prompts, params, body.priority, body.stream, http_request, lora)
 
     def encode_chat(conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]],
                     add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
@@ -332,12 +364,14 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                       options.enable_auto_tool_choice and options.tool_call_parser is not None, check_api_key,
                       check_model, reasoning_parser(llm.config.reasoning_parser))
     add_tokenizer_routes(app, serving, options.enable_tokenizer_info_endpoint)
+    if loras is not None and options.enable_runtime_lora_updating:
+        add_lora_routes(app, loras, check_api_key)
     add_messages_routes(app, serving)
     add_responses_routes(app, serving, ResponseStore(options.responses_store_size))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
-        check_model(body.model)
+        lora = check_model(body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs or 0
         tool_mode = body.tool_mode
@@ -347,12 +381,12 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         params = params_or_400(lambda: body.sampling_params(max_tokens, top if body.logprobs else None, tool_constraint(
             tool_mode, tools, named, body.parallel_tool_calls, body.constraint())))
         prompt_ids = encode_chat(body.conversation(), tools, body.add_generation_prompt)
-        builder = ResponseBuilder("chat", model_name, tokenizer, 1, params.n,
+        builder = ResponseBuilder("chat", served_name(lora), tokenizer, 1, params.n,
                                   logprobs=top if body.logprobs else None, request_id=http_request.state.request_id,
                                   tool_mode=tool_mode, reasoning=serving.reasoning)
         builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,
-                           http_request)
+                           http_request, lora)
 
     return app
 

@@ -65,6 +65,12 @@ class EngineMetrics:
                                           buckets=(-0.1, -0.03, -0.01, -0.003, 0.0, 0.003, 0.01, 0.03, 0.1, 0.3))
         self.endpoint_requests = Counter("tokenmill:endpoint_requests", "Finished requests by API endpoint",
                                          labels + ["endpoint"], registry=r)
+        self.lora_requests = Counter("tokenmill:lora_requests", "Finished requests by LoRA adapter",
+                                     labels + ["lora_name"], registry=r)
+        # vLLM's shape: one series, its labels the adapters running and waiting now, its value the time it was set
+        self.lora_info = Gauge("tokenmill:lora_requests_info", "Running and waiting LoRA adapters",
+                               per_replica + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_labels: dict[str, tuple[str, ...]] = {}
         self.spec_drafts = Counter("tokenmill:spec_decode_num_drafts", "Speculative proposals verified", per_replica,
                                    registry=r)
         self.spec_draft_tokens = Counter("tokenmill:spec_decode_num_draft_tokens", "Proposed tokens verified",
@@ -128,6 +134,8 @@ class EngineMetrics:
             self.spec_accepted_tokens.labels(m, r).inc(s.spec_num_accepted_tokens)
             for position, count in enumerate(s.spec_accepted_per_pos):
                 self.spec_accepted_per_pos.labels(m, r, str(position)).inc(count)
+        if s.running_loras is not None and s.waiting_loras is not None:
+            self._set_lora_info(r, s.max_loras, s.running_loras, s.waiting_loras)
         last_queries, last_hits = self._last_prefix.get(r, (0, 0))
         if s.prefix_queries < last_queries:  # a restarted replica counts from zero again
             last_queries = last_hits = 0
@@ -136,6 +144,14 @@ class EngineMetrics:
         if s.prefix_hits > last_hits:
             self.prefix_hits.labels(m, r).inc(s.prefix_hits - last_hits)
         self._last_prefix[r] = (s.prefix_queries, s.prefix_hits)
+
+    def _set_lora_info(self, replica: str, max_loras: int, running: list[str], waiting: list[str]) -> None:
+        labels = (self.model_name, replica, str(max_loras), ",".join(running), ",".join(waiting))
+        previous = self._lora_labels.get(replica)
+        if previous is not None and previous != labels:
+            self.lora_info.remove(*previous)  # one series per replica, as vLLM keeps one
+        self.lora_info.labels(*labels).set_to_current_time()
+        self._lora_labels[replica] = labels
 
     def set_idle(self, running: int, waiting: int, kv_usage: float, replica: int = 0) -> None:
         m, r = self.model_name, str(replica)
@@ -167,10 +183,12 @@ class EngineMetrics:
         if matched_blocks:
             self.router_matched_blocks.labels(m, r).inc(matched_blocks)
 
-    def on_finished(self, output: RequestOutput, endpoint: str | None = None) -> None:
+    def on_finished(self, output: RequestOutput, endpoint: str | None = None, lora_name: str | None = None) -> None:
         m = self.model_name
         if endpoint is not None:
             self.endpoint_requests.labels(m, endpoint).inc()
+        if lora_name is not None:
+            self.lora_requests.labels(m, lora_name).inc()
         self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
         for completion, times in zip(output.outputs, output.metrics):
             self.generation_tokens.labels(m).inc(len(completion.token_ids))

@@ -406,7 +406,7 @@ class ResponsesBuilder(PartEvents):
 def add_responses_routes(app: FastAPI, serving: Serving, store: ResponseStore) -> None:
     @app.post("/v1/responses", dependencies=[Depends(serving.check_api_key)])
     async def responses(body: ResponsesRequest, http_request: Request) -> Response:
-        serving.check_model(body.model)
+        lora = serving.check_model(body.model)
         tool_mode = body.tool_mode
         serving.check_tool_mode(tool_mode)
         tools = body.tool_definitions()
@@ -418,8 +418,10 @@ def add_responses_routes(app: FastAPI, serving: Serving, store: ResponseStore) -
         # instructions belong to this turn: a continued response does not carry earlier ones (OpenAI's rule)
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         prompt_ids = serving.encode_chat([*instructions, *conversation], tools)
-        builder = ResponsesBuilder(body, serving.model_name, conversation, len(prompt_ids), store, serving.reasoning)
-        return await serving.serve(builder, [{"prompt_token_ids": prompt_ids}], params, 0, body.stream, http_request)
+        builder = ResponsesBuilder(body, serving.served_name(lora), conversation, len(prompt_ids), store,
+                                   serving.reasoning)
+        return await serving.serve(builder, [{"prompt_token_ids": prompt_ids}], params, 0, body.stream, http_request,
+                                   lora)
 
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(serving.check_api_key)])
     async def stored_response(response_id: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.reasoning import ReasoningParser
 from tokenmill.sampling_params import SamplingParams
@@ -19,8 +20,9 @@ from tokenmill.server.responses import StreamBuilder
 from tokenmill.server.tools import forced_call_constraint
 from tokenmill.structured_output.params import StructuredOutputsParams
 
-# (builder, prompts, params, priority, stream, the HTTP request) -> the response
-ServeFn = Callable[[StreamBuilder, list[Any], SamplingParams, int, bool, Request], Awaitable[Response]]
+# (builder, prompts, params, priority, stream, the HTTP request, the adapter or None) -> the response
+ServeFn = Callable[[StreamBuilder, list[Any], SamplingParams, int, bool, Request, LoRARequest | None],
+                   Awaitable[Response]]
 
 
 @dataclass
@@ -34,8 +36,13 @@ class Serving:
     encode_chat: Callable[..., list[int]]
     auto_tool_choice: bool  # --enable-auto-tool-choice with a --tool-call-parser: "auto" can parse calls
     check_api_key: Callable[..., Any]
-    check_model: Callable[[str | None], None]
+    # a request's `model` -> the adapter it names (None: the base model); APIError 404 for an unknown one
+    check_model: Callable[[str | None], LoRARequest | None]
     reasoning: ReasoningParser | None = None  # --reasoning-parser: the <think> block is split from the answer
+
+    def served_name(self, lora: LoRARequest | None) -> str:
+        """The `model` a response reports: the adapter's name when one ran."""
+        return self.model_name if lora is None else lora.lora_name
 
     def check_tool_mode(self, tool_mode: str, param: str = "tool_choice") -> None:
         if tool_mode == "auto" and not self.auto_tool_choice:
