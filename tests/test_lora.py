@@ -366,3 +366,46 @@ def test_runtime_load_and_unload_stay_inside_lora_dir(lora_server, prompt_ids, r
     gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "not_found_error"
     assert_idle_soon(url)
+
+
+def test_native_lora_kernel_matches_torch_and_is_batch_invariant(loaded_model) -> None:  # noqa: ANN001
+    """kernels/lora.c against the float64 product, over slots of different ranks and rows in any grouping;
+    a row computed alone is bit-identical to the same row inside a batch."""
+    from tokenmill import kernels
+    from tokenmill.lora.adapter import LoRAAdapter
+    from tokenmill.lora.slots import LoRABatch, ProjectionLoRA
+
+    if not kernels.lora_add_supported(torch.empty(1)):
+        pytest.skip("no C compiler")
+    config = loaded_model.config
+    projection = ProjectionLoRA(["q", "k", "v"], config, num_slots=3, max_rank=20, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    ranks = {0: 20, 1: 3, 2: 9}
+    for slot, rank in ranks.items():
+        parts = {(0, p): (torch.randn(rank, config.hidden_size, generator=generator),
+                          torch.randn(rank, w, generator=generator))
+                 for p, w in (("q", 576), ("k", 192), ("v", 192)) if not (slot == 1 and p == "k")}
+        projection.fill(slot, 0, LoRAAdapter(LoRARequest(f"s{slot}", slot + 1, "."), rank, parts))
+    rows = 37
+    x = torch.randn(rows, config.hidden_size, generator=generator)
+    row_slots = torch.randint(-1, 3, (rows,), generator=generator).numpy()
+    batch = LoRABatch.from_row_slots(row_slots)
+    assert batch is not None
+    y = torch.randn(rows, 960, generator=generator)
+    expected = y.double().clone()
+    for t in range(rows):
+        slot = int(row_slots[t])
+        for i, (offset, width) in enumerate(zip(projection.offset, projection.width)):
+            rank = int(projection.ranks[i, slot]) if slot >= 0 else 0
+            if rank:
+                delta = x[t].double() @ projection.at[i][slot, :, :rank].double() @ projection.bt[i][slot, :rank].double()
+                expected[t, offset:offset + width] += delta
+    native = y.clone()
+    projection.add(x, native, batch)
+    assert torch.allclose(native.double(), expected, rtol=1e-4, atol=1e-3)
+    for t in (0, 5, rows - 1):  # alone: the same bits
+        alone = y[t:t + 1].clone()
+        single = LoRABatch.from_row_slots(row_slots[t:t + 1])
+        if single is not None:
+            projection.add(x[t:t + 1], alone, single)
+        assert torch.equal(alone[0], native[t])

@@ -523,7 +523,7 @@ class LoRAWeightsPointers(ctypes.Structure):
     """One projection's LoRA parts in the resident slots (kernels/lora.c: LoRAWeights), as raw addresses."""
 
     _fields_ = [("parts", _I64), ("in_features", _I64), ("max_rank", _I64), ("offset", _PTR), ("width", _PTR),
-                ("a", _PTR), ("bt", _PTR), ("ranks", _PTR), ("slots", _I64)]
+                ("at", _PTR), ("bt", _PTR), ("ranks", _PTR), ("slots", _I64)]
 
 
 class LoRABatchPointers(ctypes.Structure):
@@ -542,7 +542,7 @@ def lora_add_supported(x: torch.Tensor) -> bool:
 
 
 def lora_add(weights: LoRAWeightsPointers, batch: LoRABatchPointers, x: torch.Tensor, y: torch.Tensor) -> None:
-    """In place: y[row, part columns] += (x[row] @ A[slot].T) @ Bt[slot] for the batch's rows (kernels/lora.c).
+    """In place: y[row, part columns] += (x[row] @ At[slot]) @ Bt[slot] for the batch's rows (kernels/lora.c).
     x [T, in], y [T, out] float32 with unit column stride."""
     fn = _lora_fn()
     assert fn is not None and x.stride(1) == 1 and y.stride(1) == 1 and x.dtype == y.dtype == torch.float32

@@ -53,14 +53,16 @@ class ProjectionLoRA:
         self.in_features = shapes[parts[0]].in_features
         self.offset = np.array([shapes[p].offset for p in parts], np.int64)
         self.width = np.array([shapes[p].width for p in parts], np.int64)
-        self.a = [torch.zeros(num_slots, max_rank, self.in_features, device=device) for _ in parts]
-        self.bt = [torch.zeros(num_slots, max_rank, shapes[p].width, device=device) for p in parts]
+        padded = -(-max_rank // 8) * 8  # the kernel computes the shrink 8 ranks at a time
+        # At [slot, in, rank] (the shrink vectorizes across ranks), Bt [slot, rank, width]
+        self.at = [torch.zeros(num_slots, self.in_features, padded, device=device) for _ in parts]
+        self.bt = [torch.zeros(num_slots, padded, shapes[p].width, device=device) for p in parts]
         self.ranks = np.zeros((len(parts), num_slots), np.int32)  # 0: the slot's adapter skips the part
-        self._a_ptrs = (kernels.ctypes.c_void_p * len(parts))(*(t.data_ptr() for t in self.a))
+        self._at_ptrs = (kernels.ctypes.c_void_p * len(parts))(*(t.data_ptr() for t in self.at))
         self._bt_ptrs = (kernels.ctypes.c_void_p * len(parts))(*(t.data_ptr() for t in self.bt))
         self.pointers = kernels.LoRAWeightsPointers(
-            len(parts), self.in_features, max_rank, self.offset.ctypes.data, self.width.ctypes.data,
-            kernels.ctypes.addressof(self._a_ptrs), kernels.ctypes.addressof(self._bt_ptrs),
+            len(parts), self.in_features, padded, self.offset.ctypes.data, self.width.ctypes.data,
+            kernels.ctypes.addressof(self._at_ptrs), kernels.ctypes.addressof(self._bt_ptrs),
             self.ranks.ctypes.data, num_slots)
 
     def fill(self, slot: int, layer: int, adapter: LoRAAdapter | None) -> None:
@@ -71,7 +73,8 @@ class ProjectionLoRA:
                 continue
             a, bt = weights
             rank = a.shape[0]
-            self.a[i][slot, :rank].copy_(a)
+            self.at[i][slot].zero_()  # the shrink reads up to the next multiple of 8 ranks
+            self.at[i][slot, :, :rank].copy_(a.t())
             self.bt[i][slot, :rank].copy_(bt)
             self.ranks[i, slot] = rank
 
@@ -87,7 +90,7 @@ class ProjectionLoRA:
             for i in range(len(self.parts)):
                 rank = int(self.ranks[i, slot])
                 if rank:
-                    delta = (xs @ self.a[i][slot, :rank].t()) @ self.bt[i][slot, :rank]
+                    delta = (xs @ self.at[i][slot, :, :rank]) @ self.bt[i][slot, :rank]
                     columns = slice(int(self.offset[i]), int(self.offset[i] + self.width[i]))
                     y[rows, columns] += delta.to(y.dtype)
 
