@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -22,7 +22,7 @@
 typedef struct {
     int64_t parts;  // 0: no adapter targets this projection
     int64_t in;  // input features
-    int64_t max_rank;  // R: a multiple of 8
+    int64_t max_rank;  // R: a multiple of 16
     const int64_t *offset;  // [parts] first output column
     const int64_t *width;  // [parts]
     const float *const *at;  // [parts] -> [slots][in][R]
@@ -39,39 +39,57 @@ typedef struct {
     const int64_t *rows;  // rows of the flat batch, grouped by slot
 } LoRABatch;
 
-// h[t][0:cols] = x[rows[t]] @ at[:, 0:cols] for t < count (cols a multiple of 8, at's row stride R)
+#if defined(__AVX512F__)
+#define LORA_VW 16
+typedef __m512 lora_vec;
+#define LORA_ZERO() _mm512_setzero_ps()
+#define LORA_LOAD(p) _mm512_loadu_ps(p)
+#define LORA_STORE(p, v) _mm512_storeu_ps(p, v)
+#define LORA_SET1(x) _mm512_set1_ps(x)
+#define LORA_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define LORA_ADD(a, b) _mm512_add_ps(a, b)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LORA_VW 8
+typedef __m256 lora_vec;
+#define LORA_ZERO() _mm256_setzero_ps()
+#define LORA_LOAD(p) _mm256_loadu_ps(p)
+#define LORA_STORE(p, v) _mm256_storeu_ps(p, v)
+#define LORA_SET1(x) _mm256_set1_ps(x)
+#define LORA_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define LORA_ADD(a, b) _mm256_add_ps(a, b)
+#endif
+
+// h[t][0:cols] = x[rows[t]] @ at[:, 0:cols] for t < count (cols a multiple of 16, at's row stride R)
 static void lora_shrink(const float *x, int64_t x_stride, const int64_t *rows, int64_t count, const float *at,
                         int64_t in, int64_t R, int64_t cols, float h[][LORA_MAX_RANK]) {
-    int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    for (; t + 4 <= count; t += 4) {
-        const float *x0 = x + rows[t] * x_stride, *x1 = x + rows[t + 1] * x_stride;
-        const float *x2 = x + rows[t + 2] * x_stride, *x3 = x + rows[t + 3] * x_stride;
-        for (int64_t c = 0; c < cols; c += 8) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#ifdef LORA_VW
+    // 4 rows x 2 vectors of ranks per pass: each x broadcast feeds 2 FMAs, each weight load 4
+    for (int64_t c = 0; c < cols; c += 2 * LORA_VW) {
+        const int two = c + 2 * LORA_VW <= cols;
+        int64_t t = 0;
+        for (; t < count; t += 4) {
+            const int64_t n = count - t < 4 ? count - t : 4;
+            const float *xr[4];
+            for (int j = 0; j < 4; ++j) xr[j] = x + rows[t + (j < n ? j : 0)] * x_stride;
+            lora_vec a[4][2];
+            for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = LORA_ZERO();
             for (int64_t k = 0; k < in; ++k) {
-                const __m256 w = _mm256_loadu_ps(at + k * R + c);
-                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(x0 + k), w, a0);
-                a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(x1 + k), w, a1);
-                a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(x2 + k), w, a2);
-                a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(x3 + k), w, a3);
+                const float *w = at + k * R + c;
+                const lora_vec w0 = LORA_LOAD(w), w1 = two ? LORA_LOAD(w + LORA_VW) : LORA_ZERO();
+                for (int j = 0; j < 4; ++j) {
+                    const lora_vec b = LORA_SET1(xr[j][k]);
+                    a[j][0] = LORA_FMA(b, w0, a[j][0]);
+                    a[j][1] = LORA_FMA(b, w1, a[j][1]);
+                }
             }
-            _mm256_storeu_ps(h[t] + c, a0);
-            _mm256_storeu_ps(h[t + 1] + c, a1);
-            _mm256_storeu_ps(h[t + 2] + c, a2);
-            _mm256_storeu_ps(h[t + 3] + c, a3);
-        }
-    }
-    for (; t < count; ++t) {
-        const float *xr = x + rows[t] * x_stride;
-        for (int64_t c = 0; c < cols; c += 8) {
-            __m256 a = _mm256_setzero_ps();
-            for (int64_t k = 0; k < in; ++k) a = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + k), _mm256_loadu_ps(at + k * R + c), a);
-            _mm256_storeu_ps(h[t] + c, a);
+            for (int j = 0; j < n; ++j) {
+                LORA_STORE(h[t + j] + c, a[j][0]);
+                if (two) LORA_STORE(h[t + j] + c + LORA_VW, a[j][1]);
+            }
         }
     }
 #else
-    for (; t < count; ++t) {
+    for (int64_t t = 0; t < count; ++t) {
         const float *xr = x + rows[t] * x_stride;
         for (int64_t c = 0; c < cols; ++c) {
             float a = 0.0f;
@@ -86,30 +104,32 @@ static void lora_shrink(const float *x, int64_t x_stride, const int64_t *rows, i
 static void lora_expand(float h[][LORA_MAX_RANK], int64_t count, int64_t rank, const float *bt, int64_t width,
                         float *y, int64_t y_stride, const int64_t *rows, int64_t offset) {
     int64_t c = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    for (; c + 8 <= width; c += 8) {
-        int64_t t = 0;
-        for (; t + 4 <= count; t += 4) {
-            __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+#ifdef LORA_VW
+    // 4 rows x 2 vectors of columns per pass
+    for (; c + LORA_VW <= width; c += 2 * LORA_VW) {
+        const int two = c + 2 * LORA_VW <= width;
+        for (int64_t t = 0; t < count; t += 4) {
+            const int64_t n = count - t < 4 ? count - t : 4;
+            lora_vec d[4][2];
+            for (int j = 0; j < 4; ++j) d[j][0] = d[j][1] = LORA_ZERO();
             for (int64_t r = 0; r < rank; ++r) {
-                const __m256 w = _mm256_loadu_ps(bt + r * width + c);
-                d0 = _mm256_fmadd_ps(_mm256_set1_ps(h[t][r]), w, d0);
-                d1 = _mm256_fmadd_ps(_mm256_set1_ps(h[t + 1][r]), w, d1);
-                d2 = _mm256_fmadd_ps(_mm256_set1_ps(h[t + 2][r]), w, d2);
-                d3 = _mm256_fmadd_ps(_mm256_set1_ps(h[t + 3][r]), w, d3);
+                const float *w = bt + r * width + c;
+                const lora_vec w0 = LORA_LOAD(w), w1 = two ? LORA_LOAD(w + LORA_VW) : LORA_ZERO();
+                for (int j = 0; j < 4; ++j) {
+                    const lora_vec b = LORA_SET1(h[t + (j < n ? j : 0)][r]);
+                    d[j][0] = LORA_FMA(b, w0, d[j][0]);
+                    d[j][1] = LORA_FMA(b, w1, d[j][1]);
+                }
             }
-            const __m256 d[4] = {d0, d1, d2, d3};
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < n; ++j) {
                 float *out = y + rows[t + j] * y_stride + offset + c;
-                _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), d[j]));
+                LORA_STORE(out, LORA_ADD(LORA_LOAD(out), d[j][0]));
+                if (two) LORA_STORE(out + LORA_VW, LORA_ADD(LORA_LOAD(out + LORA_VW), d[j][1]));
             }
         }
-        for (; t < count; ++t) {
-            __m256 d = _mm256_setzero_ps();
-            for (int64_t r = 0; r < rank; ++r)
-                d = _mm256_fmadd_ps(_mm256_set1_ps(h[t][r]), _mm256_loadu_ps(bt + r * width + c), d);
-            float *out = y + rows[t] * y_stride + offset + c;
-            _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), d));
+        if (!two) {
+            c += LORA_VW;
+            break;
         }
     }
 #endif
@@ -128,14 +148,15 @@ static void lora_part_rows(const LoRAWeights *w, int64_t part, int64_t slot, con
     if (rank == 0) return;
     const int64_t in = w->in, R = w->max_rank, width = w->width[part];
     float h[LORA_TILE_ROWS][LORA_MAX_RANK];
-    lora_shrink(x, x_stride, rows, count, w->at[part] + slot * in * R, in, R, (rank + 7) / 8 * 8, h);
+    lora_shrink(x, x_stride, rows, count, w->at[part] + slot * in * R, in, R, (rank + 15) / 16 * 16, h);
     lora_expand(h, count, rank, w->bt[part] + slot * R * width, width, y, y_stride, rows, w->offset[part]);
 }
 
 void lora_add(const LoRAWeights *w, const LoRABatch *batch, const float *x, int64_t x_stride, float *y,
               int64_t y_stride) {
     if (w == NULL || batch == NULL || w->parts == 0) return;
-    // units: (segment tile, part); parts write disjoint columns, tiles disjoint rows
+    // units: (segment, part, tile of rows); parts write disjoint columns, tiles disjoint rows. The tiles of one
+    // part follow each other, so its weights stay in cache from one tile to the next.
     int64_t units = 0;
     for (int64_t s = 0; s < batch->segments; ++s) {
         const int64_t count = batch->start[s + 1] - batch->start[s];
@@ -144,8 +165,8 @@ void lora_add(const LoRAWeights *w, const LoRABatch *batch, const float *x, int6
     int64_t *unit_segment = malloc(sizeof(int64_t) * (size_t)units * 3);
     int64_t *unit_first = unit_segment + units, *unit_part = unit_first + units, u = 0;
     for (int64_t s = 0; s < batch->segments; ++s)
-        for (int64_t first = batch->start[s]; first < batch->start[s + 1]; first += LORA_TILE_ROWS)
-            for (int64_t p = 0; p < w->parts; ++p) {
+        for (int64_t p = 0; p < w->parts; ++p)
+            for (int64_t first = batch->start[s]; first < batch->start[s + 1]; first += LORA_TILE_ROWS) {
                 unit_segment[u] = s, unit_first[u] = first, unit_part[u] = p;
                 ++u;
             }

@@ -53,7 +53,7 @@ class ProjectionLoRA:
         self.in_features = shapes[parts[0]].in_features
         self.offset = np.array([shapes[p].offset for p in parts], np.int64)
         self.width = np.array([shapes[p].width for p in parts], np.int64)
-        padded = -(-max_rank // 8) * 8  # the kernel computes the shrink 8 ranks at a time
+        padded = -(-max_rank // 16) * 16  # the kernel computes the shrink 16 ranks at a time
         # At [slot, in, rank] (the shrink vectorizes across ranks), Bt [slot, rank, width]
         self.at = [torch.zeros(num_slots, self.in_features, padded, device=device) for _ in parts]
         self.bt = [torch.zeros(num_slots, padded, shapes[p].width, device=device) for p in parts]
@@ -73,7 +73,7 @@ class ProjectionLoRA:
                 continue
             a, bt = weights
             rank = a.shape[0]
-            self.at[i][slot].zero_()  # the shrink reads up to the next multiple of 8 ranks
+            self.at[i][slot].zero_()  # the shrink reads up to the next multiple of 16 ranks
             self.at[i][slot, :, :rank].copy_(a.t())
             self.bt[i][slot, :rank].copy_(bt)
             self.ranks[i, slot] = rank
