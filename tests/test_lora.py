@@ -368,9 +368,10 @@ def test_runtime_load_and_unload_stay_inside_lora_dir(lora_server, prompt_ids, r
     assert_idle_soon(url)
 
 
-def test_native_lora_kernel_matches_torch_and_is_batch_invariant(loaded_model) -> None:  # noqa: ANN001
-    """kernels/lora.c against the float64 product, over slots of different ranks and rows in any grouping;
-    a row computed alone is bit-identical to the same row inside a batch."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_lora_kernel_matches_torch_and_is_batch_invariant(loaded_model, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """kernels/lora.c against the float64 product of the stored weights, over slots of different ranks and rows
+    in any grouping; a row computed alone is bit-identical to the same row inside a batch."""
     from tokenmill import kernels
     from tokenmill.lora.adapter import LoRAAdapter
     from tokenmill.lora.slots import LoRABatch, ProjectionLoRA
@@ -378,7 +379,8 @@ def test_native_lora_kernel_matches_torch_and_is_batch_invariant(loaded_model) -
     if not kernels.lora_add_supported(torch.empty(1)):
         pytest.skip("no C compiler")
     config = loaded_model.config
-    projection = ProjectionLoRA(["q", "k", "v"], config, num_slots=3, max_rank=20, device=torch.device("cpu"))
+    projection = ProjectionLoRA(["q", "k", "v"], config, num_slots=3, max_rank=20, device=torch.device("cpu"),
+                                dtype=dtype)
     generator = torch.Generator().manual_seed(0)
     ranks = {0: 20, 1: 3, 2: 9}
     for slot, rank in ranks.items():
@@ -398,8 +400,8 @@ def test_native_lora_kernel_matches_torch_and_is_batch_invariant(loaded_model) -
         for i, (offset, width) in enumerate(zip(projection.offset, projection.width)):
             rank = int(projection.ranks[i, slot]) if slot >= 0 else 0
             if rank:
-                delta = x[t].double() @ projection.at[i][slot, :, :rank].double() @ projection.bt[i][slot, :rank].double()
-                expected[t, offset:offset + width] += delta
+                at, bt = projection.at[i][slot, :, :rank].double(), projection.bt[i][slot, :rank].double()
+                expected[t, offset:offset + width] += x[t].double() @ at @ bt
     native = y.clone()
     projection.add(x, native, batch)
     assert torch.allclose(native.double(), expected, rtol=1e-4, atol=1e-3)

@@ -55,6 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=defaults.max_loras,
                    help="adapters resident (and running) at once")
     g.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank)
+    g.add_argument("--lora-dtype", default=defaults.lora_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="the resident adapters' weights (auto: bfloat16 under quantized linears)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras)")
     g.add_argument("--speculative-config", default=None,
@@ -77,7 +79,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         priority_aging_per_s=args.priority_aging_per_s, batching=args.batching, seed=args.seed,
         max_waiting_requests=args.max_waiting_requests, speculative_config=args.speculative_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras,
+        max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype,
     )
 
 

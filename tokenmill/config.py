@@ -138,6 +138,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # the adapters' weights in the resident slots (vLLM's --lora-dtype): "auto" = bfloat16 under quantized linears,
+    # else the model's dtype
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -171,6 +174,8 @@ class EngineConfig:
             positive(name)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.lora_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {KV_CACHE_DTYPES}, got {self.lora_dtype!r}")
         if self.enable_lora and self.kv_role is not None:
             raise ValueError("LoRA adapters are not supported with prefill/decode disaggregation")
         if self.priority_aging_per_s < 0:

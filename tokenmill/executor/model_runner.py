@@ -66,6 +66,15 @@ def kv_cache_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
     return torch.bfloat16 if linear_mode(config) != "none" and native_bf16 else _DTYPES[config.dtype]
 
 
+def lora_dtype(config: EngineConfig) -> torch.dtype:
+    """--lora-dtype resolved. `auto`: bfloat16 under quantized linears (half the bytes a decode step reads per
+    resident adapter; the arithmetic stays float32), else the model's dtype, so `--quantization none` stays
+    exact with PEFT."""
+    if config.lora_dtype != "auto":
+        return _DTYPES[config.lora_dtype]
+    return torch.bfloat16 if linear_mode(config) != "none" else _DTYPES[config.dtype]
+
+
 def num_kv_blocks_for(config: EngineConfig, model: ModelConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -98,7 +107,8 @@ class ModelRunner:
         # multi-LoRA: the adapters' slots are attached before the caches, so the native stack adds them too
         self.lora: LoRAManager | None = None
         if config.enable_lora:
-            self.lora = LoRAManager(config, model_config, self.device, self.model.rotary_order)
+            self.lora = LoRAManager(config, model_config, self.device, self.model.rotary_order,
+                                    lora_dtype(config))
             self.model.attach_lora(self.lora.slots, self.lora.context)
         self.model.bind_kv_caches(self.kv_caches)
         self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype) * self.num_kv_blocks

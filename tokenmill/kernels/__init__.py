@@ -523,7 +523,7 @@ class LoRAWeightsPointers(ctypes.Structure):
     """One projection's LoRA parts in the resident slots (kernels/lora.c: LoRAWeights), as raw addresses."""
 
     _fields_ = [("parts", _I64), ("in_features", _I64), ("max_rank", _I64), ("offset", _PTR), ("width", _PTR),
-                ("at", _PTR), ("bt", _PTR), ("ranks", _PTR), ("slots", _I64)]
+                ("at", _PTR), ("bt", _PTR), ("ranks", _PTR), ("slots", _I64), ("bf16", _I64)]
 
 
 class LoRABatchPointers(ctypes.Structure):

@@ -15,12 +15,12 @@ from tokenmill.lora.slots import LoRABatch, LoRAContext, LoRASlots
 
 class LoRAManager:
     def __init__(self, config: EngineConfig, model: ModelConfig, device: torch.device,
-                 rotary_order: torch.Tensor | None = None) -> None:
+                 rotary_order: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
         max_rank = config.max_lora_rank
         self.max_loras = config.max_loras
         self.cache = AdapterCache(config.max_cpu_loras or config.max_loras,
                                   lambda request: load_adapter(request, model, max_rank, rotary_order))
-        self.slots = LoRASlots(model, config.max_loras, max_rank, device)
+        self.slots = LoRASlots(model, config.max_loras, max_rank, device, dtype)
         self.context = LoRAContext()
         self._steps = 0
 

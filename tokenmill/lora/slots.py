@@ -47,7 +47,7 @@ class ProjectionLoRA:
     """One projection's parts (q/k/v of qkv, gate/up of gate_up, or one) in every slot."""
 
     def __init__(self, parts: list[str], config: ModelConfig, num_slots: int, max_rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         shapes = part_shapes(config)
         self.parts = parts
         self.in_features = shapes[parts[0]].in_features
@@ -55,15 +55,15 @@ class ProjectionLoRA:
         self.width = np.array([shapes[p].width for p in parts], np.int64)
         padded = -(-max_rank // 16) * 16  # the kernel computes the shrink 16 ranks at a time
         # At [slot, in, rank] (the shrink vectorizes across ranks), Bt [slot, rank, width]
-        self.at = [torch.zeros(num_slots, self.in_features, padded, device=device) for _ in parts]
-        self.bt = [torch.zeros(num_slots, padded, shapes[p].width, device=device) for p in parts]
+        self.at = [torch.zeros(num_slots, self.in_features, padded, device=device, dtype=dtype) for _ in parts]
+        self.bt = [torch.zeros(num_slots, padded, shapes[p].width, device=device, dtype=dtype) for p in parts]
         self.ranks = np.zeros((len(parts), num_slots), np.int32)  # 0: the slot's adapter skips the part
         self._at_ptrs = (kernels.ctypes.c_void_p * len(parts))(*(t.data_ptr() for t in self.at))
         self._bt_ptrs = (kernels.ctypes.c_void_p * len(parts))(*(t.data_ptr() for t in self.bt))
         self.pointers = kernels.LoRAWeightsPointers(
             len(parts), self.in_features, padded, self.offset.ctypes.data, self.width.ctypes.data,
             kernels.ctypes.addressof(self._at_ptrs), kernels.ctypes.addressof(self._bt_ptrs),
-            self.ranks.ctypes.data, num_slots)
+            self.ranks.ctypes.data, num_slots, int(dtype == torch.bfloat16))
 
     def fill(self, slot: int, layer: int, adapter: LoRAAdapter | None) -> None:
         for i, part in enumerate(self.parts):
@@ -80,7 +80,8 @@ class ProjectionLoRA:
 
     def add(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """y += each row's adapter delta (in place)."""
-        if kernels.lora_add_supported(x) and y.dtype == torch.float32 and y.stride(-1) == 1:
+        if (kernels.lora_add_supported(x) and y.dtype == torch.float32 and y.stride(-1) == 1
+                and self.at[0].dtype in (torch.float32, torch.bfloat16)):
             kernels.lora_add(self.pointers, batch.pointers, x if x.stride(-1) == 1 else x.contiguous(), y)
             return
         # the reference path (GPUs, other dtypes, no compiler): one pair of matmuls per slot and part
@@ -90,7 +91,7 @@ class ProjectionLoRA:
             for i in range(len(self.parts)):
                 rank = int(self.ranks[i, slot])
                 if rank:
-                    delta = (xs @ self.at[i][slot, :, :rank]) @ self.bt[i][slot, :rank]
+                    delta = (xs @ self.at[i][slot, :, :rank].float()) @ self.bt[i][slot, :rank].float()
                     columns = slice(int(self.offset[i]), int(self.offset[i] + self.width[i]))
                     y[rows, columns] += delta.to(y.dtype)
 
@@ -98,12 +99,13 @@ class ProjectionLoRA:
 class LoRASlots:
     """The pool: per layer, per projection, the parts of every slot; which adapter each slot holds."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         if not 1 <= max_rank <= kernels.MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank must be in [1, {kernels.MAX_LORA_RANK}], got {max_rank}")
         groups = {"qkv": ["q", "k", "v"], "o": ["o"], "gate_up": ["gate", "up"], "down": ["down"]}
         assert [p for g in groups.values() for p in g] == list(PART_NAMES)
-        self.layers = [{name: ProjectionLoRA(parts, config, num_slots, max_rank, device)
+        self.layers = [{name: ProjectionLoRA(parts, config, num_slots, max_rank, device, dtype)
                         for name, parts in groups.items()} for _ in range(config.num_layers)]
         self.holder: list[int | None] = [None] * num_slots  # lora_int_id in each slot
         self.last_used = [0] * num_slots
