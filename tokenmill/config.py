@@ -84,6 +84,7 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_LORA_RANK = 256  # kernels/lora.c keeps a tile's rank-sized intermediates on the stack
 
 
 @dataclass
@@ -172,6 +173,8 @@ class EngineConfig:
             raise ValueError(f"kv_transport must be shm or tcp, got {self.kv_transport!r}")
         for name in ("max_loras", "max_lora_rank"):
             positive(name)
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.lora_dtype not in KV_CACHE_DTYPES:

@@ -516,8 +516,6 @@ def decoder_forward(layers: ctypes.Array, dims: tuple[int, int, int, int, int], 
     return x_out
 
 
-MAX_LORA_RANK = 256  # kernels/lora.c keeps a tile's rank-sized intermediates on the stack
-
 
 class LoRAWeightsPointers(ctypes.Structure):
     """One projection's LoRA parts in the resident slots (kernels/lora.c: LoRAWeights), as raw addresses."""

@@ -49,7 +49,8 @@ typedef __m512 lora_vec;
 #define LORA_SET1(x) _mm512_set1_ps(x)
 #define LORA_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define LORA_ADD(a, b) _mm512_add_ps(a, b)
-#define LORA_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LORA_LOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LORA_VW 8
 typedef __m256 lora_vec;
@@ -59,7 +60,8 @@ typedef __m256 lora_vec;
 #define LORA_SET1(x) _mm256_set1_ps(x)
 #define LORA_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define LORA_ADD(a, b) _mm256_add_ps(a, b)
-#define LORA_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LORA_LOAD_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
 static inline float lora_bf16(uint16_t v) {

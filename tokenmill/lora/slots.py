@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tokenmill import kernels
-from tokenmill.config import ModelConfig
+from tokenmill.config import MAX_LORA_RANK, ModelConfig
 from tokenmill.lora.adapter import PART_NAMES, LoRAAdapter, part_shapes
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -101,8 +101,8 @@ class LoRASlots:
 
     def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, device: torch.device,
                  dtype: torch.dtype = torch.float32) -> None:
-        if not 1 <= max_rank <= kernels.MAX_LORA_RANK:
-            raise ValueError(f"max_lora_rank must be in [1, {kernels.MAX_LORA_RANK}], got {max_rank}")
+        if not 1 <= max_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {max_rank}")
         groups = {"qkv": ["q", "k", "v"], "o": ["o"], "gate_up": ["gate", "up"], "down": ["down"]}
         assert [p for g in groups.values() for p in g] == list(PART_NAMES)
         self.layers = [{name: ProjectionLoRA(parts, config, num_slots, max_rank, device, dtype)
