@@ -110,6 +110,9 @@ class EngineConfig:
     # KV cache size: an explicit block count wins over a memory budget.
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
+    # on a GPU the KV pool takes what this share of the device's memory leaves once the weights are loaded
+    # (vLLM's --gpu-memory-utilization); --num-kv-blocks wins over it
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     # --target-itl-ms: while requests decode, prompt chunks get only the tokens that keep a step's predicted time
@@ -153,6 +156,8 @@ class EngineConfig:
             positive(name)
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None:
             positive("max_model_len")
         if self.target_itl_ms is not None:

@@ -77,6 +77,9 @@ class Request:
         # folded into the first block's hash: KV that the same tokens produce differently must not be shared
         # (length-dependent rope scaling, ModelConfig.rope_cache_key)
         self.cache_salt = 0
+        # longrope: once the sequence has grown past the original context, every token rotates for at least this
+        # length (its KV is recomputed with the long factors, as transformers' Phi-3 does); 0 before
+        self.rope_length = 0
         # Speculative decoding: tokens proposed for the next step (never part of all_token_ids until accepted),
         # and its recent verifications (decaying counts of accepted tokens and of rejections), from which the
         # proposer sizes its proposals (spec_decode/proposer.py).
@@ -89,6 +92,11 @@ class Request:
         # Prefill/decode disaggregation: on a producer {"do_remote_decode": True} (save the prompt's KV when
         # done); on a consumer the connector's parameters to load it from (cleared once loaded).
         self.kv_transfer_params: dict[str, Any] | None = None
+
+    def set_cache_salt(self, rope_key: int) -> None:
+        """The prefix-cache salt from what its KV depends on besides its tokens: the rope key
+        (ModelConfig.rope_cache_key) and its adapter."""
+        self.cache_salt = rope_key if self.lora_request is None else hash((rope_key, self.lora_request.cache_salt))
 
     @property
     def num_tokens(self) -> int:

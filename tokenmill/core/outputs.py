@@ -28,6 +28,7 @@ class ScheduledRequest:
     structured: bool = False  # its sampled rows are masked by the plan's grammar bitmask
     score_prompt: bool = False  # prompt logprobs wanted: score the prompt tokens this chunk predicts
     lora_request: LoRARequest | None = None  # the adapter its rows run under (None: the base model)
+    rope_length: int = 0  # longrope: the least length its tokens rotate for (Request.rope_length)
 
     @property
     def num_tokens(self) -> int:

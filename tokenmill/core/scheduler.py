@@ -61,10 +61,13 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic,
                  structured_output: StructuredOutputManager | None = None,
                  reasoning_tags: tuple[Sequence[int], Sequence[int]] | None = None,
-                 adapters: AdapterSource | None = None) -> None:
+                 adapters: AdapterSource | None = None, long_rope_threshold: int | None = None) -> None:
         self.config = config
         self.grammars = GrammarWaits(structured_output, reasoning_tags)
         self.loras = LoRAWaits(adapters, config.max_loras)
+        # longrope (Phi-3.5, Phi-4-mini): a sequence that grows past this length is computed again with the long
+        # factors, as transformers' Phi-3 recomputes its cache then (Phi3ForCausalLM.prepare_inputs_for_generation)
+        self.long_rope_threshold = long_rope_threshold
         self.kv = kv
         self.max_model_len = max_model_len
         self.clock = clock
@@ -177,6 +180,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             self.grammars.trim_proposals(request)
+            self._trim_before_long_rope(request)
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
             if num_new <= 0:
                 continue
@@ -211,6 +215,28 @@ class Scheduler:
             self.grammars.restore(self.waiting)
 
         return self._build_plan(num_scheduled, padding, preempted)
+
+    def _trim_before_long_rope(self, request: Request) -> None:
+        """Proposals never reach past the original context before the crossing: the rows there would read KV
+        rotated with the short factors, which the crossing recomputes."""
+        threshold = self.long_rope_threshold
+        if threshold is not None and request.spec_token_ids and not request.rope_length:
+            request.spec_token_ids = request.spec_token_ids[:max(0, threshold - request.num_tokens)]
+
+    def _restart_with_long_rope(self, request: Request) -> None:
+        """The sequence just grew past longrope's original context: compute it again from the start with the long
+        factors (a recompute into fresh blocks: its blocks may be shared, and their short-factor KV stays valid in
+        the prefix cache for the prompts that do not cross). Its new blocks get the long-rope salt."""
+        assert self.long_rope_threshold is not None
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.rope_length = self.long_rope_threshold + 1
+        request.set_cache_salt(1)  # ModelConfig.rope_cache_key of a longrope prompt past the original context
+        request.block_hashes = []
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.push_front(request)
 
     def _prompt_budget(self, decodes: dict[str, int], budget: int, next_prompt_start: int) -> int:
         """The tokens left for prompt chunks once the decodes (all scheduled so far) are in: the fixed budget's
@@ -362,6 +388,7 @@ class Scheduler:
                 structured=grammar is not None,
                 score_prompt=request.needs_prompt_logprobs,
                 lora_request=request.lora_request,
+                rope_length=request.rope_length,
             ))
             if start >= request.num_prompt_tokens:
                 decode_tokens += num_new
@@ -461,6 +488,10 @@ class Scheduler:
                     out.stop_reason = request.stop_reason
                     break
             outputs.append(out)
+            threshold = self.long_rope_threshold
+            if (threshold is not None and not request.rope_length and request.status == RequestStatus.RUNNING
+                    and request.num_prompt_tokens <= threshold < request.num_tokens):
+                self._restart_with_long_rope(request)
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

@@ -55,7 +55,8 @@ class EngineCore:
         self.kv = KVCacheManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         lora = getattr(executor, "lora", None)  # the runner's adapters (multi-LoRA), if any
         self.scheduler = Scheduler(config, self.kv, max_model_len, clock, structured_output, reasoning_tags,
-                                   None if lora is None else lora.cache)
+                                   None if lora is None else lora.cache,
+                                   getattr(executor, "long_rope_threshold", None))
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = Proposer(spec, config, executor.num_kv_blocks) if spec is not None else None
         self.num_steps = 0

@@ -109,9 +109,7 @@ class InputProcessor:
                 for i in range(params.n)
             ]
         for child in children:
-            if self.cache_salt_of is not None:
-                child.cache_salt = self.cache_salt_of(len(token_ids))
-            if lora_request is not None:  # KV computed under an adapter is shared only under that adapter
-                child.cache_salt = hash((child.cache_salt, lora_request.cache_salt))
+            # KV computed under an adapter, or rotated for a length, is shared only with the same
+            child.set_cache_salt(0 if self.cache_salt_of is None else self.cache_salt_of(len(token_ids)))
             check_request_fits(child, self.max_model_len, self.kv_capacity_tokens, self.config.batching == "static")
         return text, token_ids, children

@@ -14,6 +14,7 @@ from tokenmill import kernels
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.executor.sampler import Sampler, SamplingRow, logprob_entries, logprob_entry, random_probs
+from tokenmill.kernels import triton_ops
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.attention import AttentionMetadata, allocate_kv_cache
@@ -61,8 +62,10 @@ def kv_cache_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
     quality gate), else the model's dtype, so `--quantization none` stays exact."""
     if config.kv_cache_dtype != "auto":
         return _DTYPES[config.kv_cache_dtype]
-    native_bf16 = (torch.device(config.device).type == "cpu"
-                   and kernels.bf16_cache_supported(model.head_dim, config.block_size))
+    device = torch.device(config.device)
+    native_bf16 = ((device.type == "cpu" and kernels.bf16_cache_supported(model.head_dim, config.block_size))
+                   or (device.type == "cuda" and triton_ops.triton_usable(device)
+                       and triton_ops.attention_shapes_supported(model.head_dim, config.block_size)))
     return torch.bfloat16 if linear_mode(config) != "none" and native_bf16 else _DTYPES[config.dtype]
 
 
@@ -76,10 +79,27 @@ def lora_dtype(config: EngineConfig) -> torch.dtype:
 
 
 def num_kv_blocks_for(config: EngineConfig, model: ModelConfig) -> int:
+    """An explicit block count, else on a GPU what --gpu-memory-utilization leaves once the weights are loaded,
+    else --kv-cache-memory-gb."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model, config.block_size, kv_cache_dtype(config, model))
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(1, gpu_kv_budget(free, total, config, model) // per_block)
     return max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+
+
+def gpu_kv_budget(free: int, total: int, config: EngineConfig, model: ModelConfig) -> int:
+    """Bytes for the KV pool on a GPU (vLLM's rule, with the peak activations estimated rather than profiled):
+    `gpu_memory_utilization` of the device, less what is already in use (weights, CUDA context, other processes),
+    less a step's activations: the flat batch's hidden states and the logits of the rows that sample or score."""
+    in_use = total - free
+    logit_rows = max(config.max_num_seqs, SCORE_ROWS)
+    activations = (2**28 + 16 * config.max_num_batched_tokens * max(model.hidden_size, model.intermediate_size) * 4
+                   + 2 * logit_rows * model.vocab_size * 4)
+    return max(0, int(total * config.gpu_memory_utilization) - in_use - activations)
 
 
 class ModelRunner:
@@ -115,6 +135,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = random.Random(config.seed)  # seeds for requests that bring none
+
+    @property
+    def long_rope_threshold(self) -> int | None:
+        """longrope's original context: a sequence that grows past it has its KV recomputed with the long factors
+        (the scheduler does it); None for other scalings."""
+        config = self.model.config
+        if config.rope_scaling.rope_type != "longrope":
+            return None
+        return config.rope_scaling.length_threshold(config.max_position_embeddings)
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The KV of these blocks, [blocks, layers, 2 (K, V), elements], for a KV connector to move."""
@@ -170,7 +199,8 @@ class ModelRunner:
         rope_lengths = None
         if self.model.config.rope_scaling.length_dependent:
             # each token rotated for the length transformers' generate would have had: the prompt's, then its own
-            prompt_lens = np.fromiter((len(s.prompt_token_ids) for s in scheduled), np.int64, len(scheduled))
+            prompt_lens = np.fromiter((max(len(s.prompt_token_ids), s.rope_length) for s in scheduled), np.int64,
+                                      len(scheduled))
             rope_lengths = torch.from_numpy(np.maximum(prompt_lens[seq_of_token], positions + 1)).to(self.device)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

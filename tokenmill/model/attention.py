@@ -25,6 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import kernels
+from tokenmill.kernels import triton_ops
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A step's metadata on the model's device: on a GPU through pinned host memory, copied without blocking the
+    host (the copy is ordered before the kernels that read it on the same stream)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 @dataclass
@@ -71,10 +81,10 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         block_tables = np.ascontiguousarray(block_tables)
         return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start=torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)])).to(device),
-            seq_lens=torch.from_numpy(seq_lens).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device),
+            slot_mapping=to_device(slot_mapping, device),
+            query_start=to_device(np.concatenate([[0], np.cumsum(query_lens)]), device),
+            seq_lens=to_device(seq_lens, device),
+            block_tables=to_device(block_tables, device),
             block_size=block_size,
             query_lens_np=query_lens,
             seq_lens_np=seq_lens,
@@ -165,6 +175,10 @@ def paged_attention(
         kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, scale,
                                 window)
         return out
+    if gpu_kernels_apply(q, k_cache):
+        triton_ops.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.query_start, meta.seq_lens,
+                                   meta.block_tables, scale, window)
+        return out
     split = meta.reference
     if split.decode_rows.numel():
         out[split.decode_rows] = _decode_attention_torch(q[split.decode_rows], k_cache, v_cache, split, scale,
@@ -185,6 +199,13 @@ def paged_attention(
                                                   attn_mask=mask, scale=scale, enable_gqa=True)
         out[p.start:p.end] = attn[0].transpose(0, 1)
     return out
+
+
+def gpu_kernels_apply(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The Triton kernels serve a layer whose activations are `x`: a CUDA device with triton, shapes they tile
+    (head_dim is the K cache's dimension 2)."""
+    return (x.device.type == "cuda" and triton_ops.triton_usable(x.device)
+            and triton_ops.attention_shapes_supported(k_cache.shape[2], k_cache.shape[3]))
 
 
 def _window_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:

@@ -17,8 +17,9 @@ from torch import nn
 
 from tokenmill import kernels
 from tokenmill.config import ModelConfig
+from tokenmill.kernels import triton_ops
 from tokenmill.lora.slots import LayerLoRA, LoRAContext, LoRASlots
-from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.model.attention import AttentionMetadata, gpu_kernels_apply, paged_attention, write_kv
 from tokenmill.model.gguf_linear import GGUFLinear
 from tokenmill.model.loader import LazyWeights
 from tokenmill.model.quant import Int8Linear, QuantLinear, make_linear
@@ -105,6 +106,12 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables,
                                     self.scale, self.window)
+        elif gpu_kernels_apply(qkv, k_cache):  # CUDA: the same two fused steps in Triton
+            q = triton_ops.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
+                                          k_cache, v_cache)
+            out = torch.empty_like(q)
+            triton_ops.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables,
+                                       self.scale, self.window)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(tokens, self.num_heads, self.head_dim)

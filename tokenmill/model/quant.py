@@ -38,14 +38,16 @@ def resolve_quantization(mode: str, device: str) -> str:
     Measured on this project's CPUs (benchmarks/bench_kernels.py): int8 through the native grouped kernel is the
     fastest at every batch size on AVX-512 VNNI hosts (2-4x float32); on AVX2-only hosts, where bf16 has no native
     instructions, it runs through the kernel's AVX2 branch. On GPUs, and on CPUs where the native kernels cannot be
-    built, `auto` keeps float32.
+    built, `auto` keeps float32. On GPUs `auto` is bf16 where the device computes in bf16 (float32 otherwise).
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
     if torch.device(device).type != "cpu":
         if mode in ("int8", "gguf"):
             raise ValueError(f"{mode} quantization is implemented for CPU only; use 'bf16' or 'none' on GPUs")
-        return "none" if mode == "auto" else mode
+        if mode == "auto":
+            return "bf16" if _gpu_has_bf16(device) else "none"
+        return mode
     flags = cpu_flags()
     has_int8 = bool(flags & {"avx2", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"})
     has_bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
@@ -59,6 +61,10 @@ def resolve_quantization(mode: str, device: str) -> str:
     if mode == "bf16" and not has_bf16:
         logger.warning("this CPU has no native bf16 instructions: bf16 linears will be slow")
     return mode
+
+
+def _gpu_has_bf16(device: str) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 class QuantLinear(nn.Module):

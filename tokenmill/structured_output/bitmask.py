@@ -20,6 +20,11 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
     if kernels.token_bitmask_supported(logits):
         kernels.apply_token_bitmask(logits, rows, bitmask)
         return
+    from tokenmill.kernels import triton_ops
+
+    if logits.device.type == "cuda" and triton_ops.triton_usable(logits.device):
+        triton_ops.apply_token_bitmask(logits, rows, bitmask)
+        return
     vocab = logits.shape[-1]
     allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
     rows = rows.to(logits.device)
