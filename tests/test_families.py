@@ -396,3 +396,27 @@ def test_lora_adapter_matches_peft_for_every_family(family: tuple[str, Path, Any
     jobs = [{"prompt_token_ids": p} for p in prompts]
     outputs = llm.generate(jobs + jobs, params, lora_request=[lora] * len(jobs) + [None] * len(jobs))
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected + base, name
+
+
+def test_longrope_generation_crossing_the_original_context_matches_transformers(tmp_path: Path) -> None:
+    """transformers' Phi-3 recomputes the whole cache with the long factors when a sequence first grows past
+    original_max_position_embeddings (32 here); tokenmill computes such a sequence again from its start at that
+    step. Prompts of 20-31 tokens cross while generating: alone, batched with prompts that do not cross, under
+    n-gram speculation, and followed by a short request on the same prompt (the short-factor blocks in the
+    prefix cache stay valid for it)."""
+    name = "phi3-longrope-partial"
+    model = _tiny_model(name, tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (20, 26, 31, 8, 40)]
+    expected = [_hf_greedy(model, p) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm = LLM(str(tmp_path), device=DEVICE, quantization="none", max_num_batched_tokens=16)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # 20 + 2 stays below 32
+    assert list(llm.generate({"prompt_token_ids": prompts[0]}, short)[0].outputs[0].token_ids) == expected[0][:2]
+    assert llm.engine.core.kv.prefix_hits > 0
+    speculating = LLM(str(tmp_path), device=DEVICE, quantization="none", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    outputs = speculating.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
