@@ -94,9 +94,11 @@ def main() -> None:
         config = EngineConfig(model=tmp, device=args.device, num_kv_blocks=blocks_needed,
                               max_num_batched_tokens=max(args.prompts))
         runner = ModelRunner(config, loaded.config, loaded.weights)
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    weight_bytes += sum(b.numel() * b.element_size() for name, b in runner.model.named_buffers()
-                        if b.dim() > 1 and "rope" not in name)  # weights held as buffers; not the rope tables
+    # weights held as parameters or buffers (a quantized layer's), not the rope tables
+    tensors = list(runner.model.parameters()) + [b for name, b in runner.model.named_buffers()
+                                                 if b.dim() > 1 and "rope" not in name]
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    weight_count = sum(t.numel() for t in tensors if t.is_floating_point() or t.dtype == torch.int8)
     kv_token_bytes = runner.kv_cache_bytes // (runner.num_kv_blocks * runner.block_size)
     bandwidth = copy_bandwidth(device)
     lines = [f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
@@ -119,7 +121,7 @@ def main() -> None:
         prompt = [(j * 7) % 500 + 3 for j in range(length)]
         plan = SchedulerOutput([ScheduledRequest("p", prompt, 0, table, True, params, prompt, [])])
         seconds = timed(device, lambda plan=plan: runner.execute(plan), 3)
-        flops = 2 * length * weight_bytes / 2  # ~2 FLOPs per weight per token (bf16 weights: 2 bytes each)
+        flops = 2 * length * weight_count  # ~2 FLOPs per weight per token (attention not counted)
         lines.append(f"| prefill {length} | {length / seconds:.0f} | {seconds * 1e3:.1f} | "
                      f"~{flops / seconds / 1e12:.1f} TFLOP/s (weights only) |")
     text = "\n".join(lines)

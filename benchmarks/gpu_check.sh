@@ -12,11 +12,18 @@ cd "$(dirname "$0")/.."
 DEPS=.gpu_deps
 mode=${1:-run}
 if [ "$mode" = prepare ]; then
-    # what tokenmill needs beyond torch / triton / transformers (and what pytest needs)
-    .venv/bin/pip install -q --no-deps --target "$DEPS" gguf llguidance pyzmq fastapi starlette pydantic \
-        pydantic-core annotated-types typing-inspection uvicorn h11 click anyio sniffio prometheus-client \
-        pytest pluggy iniconfig hypothesis sortedcontainers attrs rich markdown-it-py mdurl pygments \
-        httpx httpcore certifi idna openai distro jiter peft accelerate psutil
+    # what tokenmill and pytest need beyond torch / triton / transformers (and their own dependencies: numpy,
+    # jinja2, tokenizers, safetensors, pyyaml, tqdm); must stay under the device tool's 64 MiB carry
+    rm -rf "$DEPS"
+    # wheels for the GPU machine's Python (PYVER=3.12 ...; default: this one's)
+    platform_args=()
+    if [ -n "${PYVER:-}" ]; then
+        platform_args=(--python-version "$PYVER" --only-binary=:all: --platform manylinux2014_x86_64
+                       --platform manylinux_2_28_x86_64)
+    fi
+    .venv/bin/pip install -q --no-deps --target "$DEPS" "${platform_args[@]}" gguf llguidance pyzmq fastapi starlette pydantic \
+        pydantic-core annotated-types typing-inspection annotated-doc uvicorn h11 click anyio sniffio \
+        prometheus-client pytest pluggy iniconfig
     du -sh "$DEPS"
     exit 0
 fi
@@ -41,6 +48,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUTDIR/
 $PY -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
     >> "$OUTDIR/gpu.txt" 2>&1
 cat "$OUTDIR/gpu.txt"
+if ! $PY -c "import tokenmill.engine.llm_engine, fastapi, zmq, llguidance, gguf, pytest" 2> "$OUTDIR/imports.log"; then
+    echo "missing dependencies (run 'PYVER=<this python> bash benchmarks/gpu_check.sh prepare' where pip works):"
+    cat "$OUTDIR/imports.log"
+    exit 2
+fi
 # 1. the Triton kernels compiled for the GPU, against the torch reference, on the device
 run triton_kernels 120 env TRITON_INTERPRET=0 TOKENMILL_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
     tests/test_triton_kernels.py
