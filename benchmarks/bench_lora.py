@@ -11,48 +11,24 @@ writes the "lora" section of docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tokenmill.bench.lora import write_random_adapter  # noqa: E402
 from tokenmill.bench.machine import gemm_gflops, memory_bandwidth_gbs  # noqa: E402
 from tokenmill.bench.report import machine_description, markdown_table, write_section  # noqa: E402
 from tokenmill.bench.workloads import WorkItem, mixed  # noqa: E402
-from tokenmill.config import EngineConfig, ModelConfig  # noqa: E402
+from tokenmill.config import EngineConfig  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
 from tokenmill.executor.model_runner import linear_mode, lora_dtype  # noqa: E402
-from tokenmill.lora.adapter import part_shapes  # noqa: E402
 from tokenmill.lora.request import LoRARequest  # noqa: E402
 from tokenmill.model.loader import load_model  # noqa: E402
 from tokenmill.model.tokenizer import Tokenizer  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
-
-MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-
-
-def write_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) -> None:
-    """A random adapter on every projection of every layer, in PEFT's file layout."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for part, shape in part_shapes(config).items():
-            name = f"base_model.model.model.layers.{layer}.{MODULES[part]}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, shape.in_features, generator=generator) * \
-                shape.in_features ** -0.5
-            tensors[f"{name}.lora_B.weight"] = torch.randn(shape.width, rank, generator=generator) * 0.1 * rank ** -0.5
-    directory.mkdir(parents=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "bias": "none",
-        "target_modules": [m.split(".")[1] for m in MODULES.values()]}))
 
 
 def run(engine: LLMEngine, items: list[WorkItem], loras: list[LoRARequest | None]) -> tuple[float, float]:
@@ -100,7 +76,7 @@ def main() -> None:
             adapters[rank] = []
             for i in range(8):
                 path = Path(tmp) / f"r{rank}-{i}"
-                write_adapter(path, loaded.config, rank, seed=rank * 100 + i)
+                write_random_adapter(path, loaded.config, rank, seed=rank * 100 + i)
                 adapters[rank].append(LoRARequest(f"r{rank}-{i}", rank * 100 + i + 1, str(path)))
         for _ in range(args.runs):
             for name, count, rank, max_loras, max_num_seqs in configs:
