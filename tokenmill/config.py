@@ -70,7 +70,7 @@ class ModelConfig:
         scaling = self.rope_scaling
         if not scaling.length_dependent or prompt_len <= scaling.length_threshold(self.max_position_embeddings):
             return 0
-        return 1 if scaling.rope_type == "longrope" else prompt_len
+        return LONG_ROPE_CACHE_KEY if scaling.rope_type == "longrope" else prompt_len
 
     @property
     def softmax_scale(self) -> float:
@@ -83,6 +83,9 @@ class ModelConfig:
                     or self.sliding_layers or self.final_logit_softcapping)
 
 
+# ModelConfig.rope_cache_key of a longrope sequence past the original context (its KV rotated with the long
+# factors); the scheduler salts a sequence that crosses it while generating the same way
+LONG_ROPE_CACHE_KEY = 1
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_LORA_RANK = 256  # kernels/lora.c keeps a tile's rank-sized intermediates on the stack
 

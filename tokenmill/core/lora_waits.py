@@ -37,11 +37,11 @@ class LoRAWaits:
             raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
         self._unsettled[request.request_id] = request
 
-    def set_aside(self, waiting: RequestQueue) -> list[tuple[Request, str]]:
+    def set_aside(self, waiting: RequestQueue) -> list[Request]:
         """Take out of the queue the requests whose adapter is loading (put back by `restore`); return those whose
-        adapter failed to load, with the error (the caller aborts them)."""
+        adapter failed to load (logged here; the caller aborts them)."""
         self.loading = []
-        failed: list[tuple[Request, str]] = []
+        failed: list[Request] = []
         for request_id, request in list(self._unsettled.items()):
             if request.status != RequestStatus.WAITING:
                 del self._unsettled[request_id]
@@ -53,13 +53,13 @@ class LoRAWaits:
                 logger.error("request %s: adapter %s failed to load: %s", request_id,
                              request.lora_request.lora_name, exc)
                 del self._unsettled[request_id]
-                failed.append((request, str(exc)))
+                failed.append(request)
                 continue
             if ready:
                 del self._unsettled[request_id]
             else:
                 self.loading.append(request)
-        for request in self.loading + [r for r, _ in failed]:
+        for request in self.loading + failed:
             waiting.remove(request)
         return failed
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import LONG_ROPE_CACHE_KEY, EngineConfig
 from tokenmill.core.grammar_waits import GrammarWaits
 from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixHit
 from tokenmill.core.lora_waits import AdapterSource, LoRAWaits
@@ -206,7 +206,7 @@ class Scheduler:
             budget = self._prompt_budget(num_scheduled, budget, 0)
         if not preempted:
             # their grammar failed to compile, or their adapter to load
-            failed = self.grammars.set_aside(self.waiting) + [r for r, _ in self.loras.set_aside(self.waiting)]
+            failed = self.grammars.set_aside(self.waiting) + self.loras.set_aside(self.waiting)
             for request in failed:
                 self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
                 self._outputs_since_plan.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
@@ -228,15 +228,10 @@ class Scheduler:
         factors (a recompute into fresh blocks: its blocks may be shared, and their short-factor KV stays valid in
         the prefix cache for the prompts that do not cross). Its new blocks get the long-rope salt."""
         assert self.long_rope_threshold is not None
-        self.running.remove(request)
-        self.kv.free(request.request_id)
         request.rope_length = self.long_rope_threshold + 1
-        request.set_cache_salt(1)  # ModelConfig.rope_cache_key of a longrope prompt past the original context
+        request.set_cache_salt(LONG_ROPE_CACHE_KEY)
         request.block_hashes = []
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.status = RequestStatus.PREEMPTED
-        self.waiting.push_front(request)
+        self._recompute_later(request)
 
     def _prompt_budget(self, decodes: dict[str, int], budget: int, next_prompt_start: int) -> int:
         """The tokens left for prompt chunks once the decodes (all scheduled so far) are in: the fixed budget's
@@ -349,13 +344,18 @@ class Scheduler:
         return max(candidates, key=lambda r: r.times.arrival)
 
     def _preempt(self, request: Request) -> None:
+        request.num_preemptions += 1
+        self.total_preemptions += 1
+        self._recompute_later(request)
+
+    def _recompute_later(self, request: Request) -> None:
+        """Out of the running batch, its blocks freed, back at the queue's front to be computed from the start
+        (reusing whatever of its prefix the cache still holds)."""
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.total_preemptions += 1
         self.waiting.push_front(request)
 
     def _build_plan(self, num_scheduled: dict[str, int], padding: list[Request],

@@ -7,7 +7,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
@@ -27,7 +27,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, executor: Executor, max_model_len: int,
                  eos_token_ids: tuple[int, ...], vocab_size: int,
                  clock: Callable[[], float] = time.monotonic,
-                 cache_salt_of: Callable[[int], int] | None = None) -> None:
+                 cache_salt_of: Callable[[int], int] | None = None, model_config: ModelConfig | None = None) -> None:
         self.config = config
         self.structured_output = StructuredOutputManager(tokenizer.backend, vocab_size, eos_token_ids)
         parser = reasoning_parser(config.reasoning_parser)
@@ -37,7 +37,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.processor = InputProcessor(config, tokenizer, max_model_len, eos_token_ids, vocab_size,
                                         self.core.kv.num_blocks * self.core.kv.block_size, self.structured_output,
-                                        clock, cache_salt_of)
+                                        clock, cache_salt_of, model_config)
         self.clock = clock
         self._ids = itertools.count()
 
@@ -60,8 +60,7 @@ class LLMEngine:
                      runner: ModelRunner) -> LLMEngine:
         max_model_len, eos = model_limits(loaded, tokenizer, config)
         engine = cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size,
-                     cache_salt_of=loaded.config.rope_cache_key)
-        engine.processor.model_config = loaded.config
+                     cache_salt_of=loaded.config.rope_cache_key, model_config=loaded.config)
         token_budget = engine.core.scheduler.token_budget
         if token_budget is not None and config.step_cost_profile is not None:
             from tokenmill.sim.cost_model import chunks_seconds

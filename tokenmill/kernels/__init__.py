@@ -516,7 +516,6 @@ def decoder_forward(layers: ctypes.Array, dims: tuple[int, int, int, int, int], 
     return x_out
 
 
-
 class LoRAWeightsPointers(ctypes.Structure):
     """One projection's LoRA parts in the resident slots (kernels/lora.c: LoRAWeights), as raw addresses."""
 

@@ -31,8 +31,7 @@ typedef struct {
     void *k_cache, *v_cache;
 } DecoderLayer;
 
-// out [tokens, n] = x [tokens, k] @ W.T (+ bias), as Int8Linear / GGUFLinear compute it, plus the rows' LoRA
-// deltas as model/llama.py adds them after the projection
+// out [tokens, n] = x [tokens, k] @ W.T (+ bias), as Int8Linear / GGUFLinear compute it
 static void base_linear(const Linear *w, const float *x, int64_t tokens, int64_t k, const float *bias, float *out,
                         int64_t n) {
     if (w->packed) {
@@ -49,7 +48,8 @@ static void base_linear(const Linear *w, const float *x, int64_t tokens, int64_t
     free(corr);
 }
 
-// lora: the step's rows by adapter (NULL: none)
+// base_linear, plus the LoRA deltas of the step's rows (lora: its rows by adapter; NULL: none), as model/llama.py
+// adds them after the projection
 static void linear(const Linear *w, const float *x, int64_t tokens, int64_t k, const float *bias, float *out,
                    int64_t n, const LoRABatch *lora) {
     base_linear(w, x, tokens, k, bias, out, n);

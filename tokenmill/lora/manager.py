@@ -32,7 +32,7 @@ class LoRAManager:
             self.context.batch = None
             return None
         self._steps += 1
-        placed = self.slots.place([self.cache.get(lora) for lora in distinct.values()], self._steps)
+        placed = self.slots.place(list(distinct.values()), self.cache.get, self._steps)
         slot_of_request = np.array([-1 if lora is None else placed[lora.lora_int_id] for lora in loras], np.int64)
         row_slots = np.repeat(slot_of_request, [s.num_tokens for s in scheduled])
         self.context.batch = LoRABatch.from_row_slots(row_slots)

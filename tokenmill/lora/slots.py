@@ -7,6 +7,7 @@ running requests at `max_loras`, so a step's adapters always fit."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from tokenmill import kernels
 from tokenmill.config import MAX_LORA_RANK, ModelConfig
 from tokenmill.lora.adapter import PART_NAMES, LoRAAdapter, part_shapes
+from tokenmill.lora.request import LoRARequest
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -118,18 +120,20 @@ class LoRASlots:
     def slot_of(self, lora_int_id: int) -> int | None:
         return self.holder.index(lora_int_id) if lora_int_id in self.holder else None
 
-    def place(self, adapters: list[LoRAAdapter], step: int) -> dict[int, int]:
-        """Make every adapter of a step resident; lora_int_id -> slot."""
-        if len({a.request.lora_int_id for a in adapters}) > self.num_slots:
-            raise RuntimeError(f"a step needs {len(adapters)} adapters; --max-loras is {self.num_slots}")
-        wanted = {a.request.lora_int_id for a in adapters}
+    def place(self, requests: list[LoRARequest], fetch: Callable[[LoRARequest], LoRAAdapter],
+              step: int) -> dict[int, int]:
+        """Make the step's adapters (distinct) resident, fetching only those that are not; lora_int_id -> slot."""
+        if len(requests) > self.num_slots:
+            raise RuntimeError(f"a step needs {len(requests)} adapters; --max-loras is {self.num_slots}")
+        wanted = {r.lora_int_id for r in requests}
         placed: dict[int, int] = {}
-        for adapter in adapters:
-            lora_id = adapter.request.lora_int_id
+        for request in requests:
+            lora_id = request.lora_int_id
             slot = self.slot_of(lora_id)
             if slot is None:
                 free = [s for s in range(self.num_slots) if self.holder[s] not in wanted]
                 slot = min(free, key=lambda s: (self.holder[s] is not None, self.last_used[s]))
+                adapter = fetch(request)
                 for layer, projections in enumerate(self.layers):
                     for projection in projections.values():
                         projection.fill(slot, layer, adapter)

@@ -251,9 +251,6 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
             raise APIError(404, f"the model `{requested}` does not exist", "not_found_error", "model")
         return None
 
-    def served_name(lora: LoRARequest | None) -> str:
-        return model_name if lora is None else lora.lora_name
-
     @app.get("/health")
     async def health() -> Response:
         """200 "ok" with every engine core up, 200 "degraded" with some, 503 with none (or while draining)."""
@@ -345,7 +342,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         params = params_or_400(lambda: body.sampling_params(body.engine_max_tokens, body.logprobs, body.constraint(),
                                                       body.scored_prompt_logprobs))
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]
-        builder = ResponseBuilder("completion", served_name(lora), tokenizer, len(prompts), params.n,
+        builder = ResponseBuilder("completion", serving.served_name(lora), tokenizer, len(prompts), params.n,
                                   logprobs=body.logprobs, request_id=http_request.state.request_id, echo=body.echo,
                                   drop_generated=body.max_tokens == 0, prompt_logprobs=body.prompt_logprobs)
         builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -381,7 +378,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         params = params_or_400(lambda: body.sampling_params(max_tokens, top if body.logprobs else None, tool_constraint(
             tool_mode, tools, named, body.parallel_tool_calls, body.constraint())))
         prompt_ids = encode_chat(body.conversation(), tools, body.add_generation_prompt)
-        builder = ResponseBuilder("chat", served_name(lora), tokenizer, 1, params.n,
+        builder = ResponseBuilder("chat", serving.served_name(lora), tokenizer, 1, params.n,
                                   logprobs=top if body.logprobs else None, request_id=http_request.state.request_id,
                                   tool_mode=tool_mode, reasoning=serving.reasoning)
         builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
