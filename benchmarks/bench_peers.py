@@ -75,7 +75,8 @@ LLAMACPP_SLOTS, LLAMACPP_BATCH, LLAMACPP_CTX_PER_SLOT = 32, 512, 4096
 
 
 @contextmanager
-def llamacpp_server() -> Iterator[str | None]:
+def llamacpp_server(model: str | None = None) -> Iterator[str | None]:
+    """llama-server on `model` (default: llamacpp.sh's copy of the bundled file)."""
     binary = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
     if not binary.exists():
         yield None
@@ -83,7 +84,8 @@ def llamacpp_server() -> Iterator[str | None]:
     port = free_port()
     threads = str(os.cpu_count() or 1)
     # llamacpp.sh's `serve` command line, with the slots and step size above
-    command = [str(binary), "-m", str(PEERS_DIR / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"), "--host",
+    model = model or str(PEERS_DIR / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    command = [str(binary), "-m", model, "--host",
                "127.0.0.1", "--port", str(port), "--alias", "smollm2", "-np", str(LLAMACPP_SLOTS),
                "-c", str(LLAMACPP_SLOTS * LLAMACPP_CTX_PER_SLOT), "-cb", "-t", threads, "-tb", threads,
                "-b", str(LLAMACPP_BATCH), "-ub", str(LLAMACPP_BATCH), "--no-kv-unified", "--no-webui"]
@@ -120,6 +122,103 @@ def serve_runs(url: str, model: str, tokenizer: Tokenizer, repeats: int = 3) -> 
     interference, _ = asyncio.run(run_load(url, model, long_prompt))
     return {"single": singles, "mixed": summarize(results, duration),
             "stall": worst_gap_during_long_prefill(interference)}
+
+
+def served_model(url: str) -> str:
+    return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+def prompt_rate(url: str, model: str, tokenizer: Tokenizer, prompt_len: int, repeats: int = 3) -> list[float]:
+    """Prompt tokens per second of one request alone (prompt_len / its TTFT; one output token), fresh prompts."""
+    rates = []
+    for repeat in range(repeats):
+        items = workloads.random_lengths(tokenizer, 1, input_len=prompt_len, output_len=1, seed=500 + repeat)
+        results, _ = asyncio.run(run_load(url, model, items))
+        rates.append(results[0].prompt_tokens / results[0].ttft)
+    return rates
+
+
+def model_runs(url: str, tokenizer: Tokenizer, repeats: int = 3) -> dict[str, Any]:
+    """The rows of issue 25's table for one server on one model file."""
+    model = served_model(url)
+    asyncio.run(run_load(url, model, workloads.random_lengths(tokenizer, 1, 32, 16, seed=9)))  # warm-up
+    singles = []
+    for repeat in range(repeats):
+        items = workloads.random_lengths(tokenizer, 1, input_len=32, output_len=256, seed=100 + repeat)
+        results, duration = asyncio.run(run_load(url, model, items))
+        singles.append(summarize(results, duration)["output_throughput"])
+    out: dict[str, Any] = {"single": singles, "prompt512": prompt_rate(url, model, tokenizer, 512, repeats),
+                           "prompt2048": prompt_rate(url, model, tokenizer, 2048, repeats)}
+    for concurrency in (16, 32):
+        results, duration = asyncio.run(run_load(url, model, workloads.mixed(tokenizer, concurrency, seed=0)))
+        out[f"mixed{concurrency}"] = summarize(results, duration)
+    return out
+
+
+def streamed_bytes_per_token(path: str) -> dict[str, float]:
+    """Weight bytes one decode step reads, per way of running the file: every 2-D weight once (the embedding
+    table only where it is also the LM head), as the file stores it (`gguf`, llama.cpp) and as int8 rows."""
+    from tokenmill.model.gguf_file import GGUFFile
+
+    reader = GGUFFile(path)
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    stored = int8 = 0
+    for tensor in reader.tensors:
+        if len(tensor.shape) != 2 or (tensor.name == "token_embd.weight" and not tied):
+            continue
+        stored += tensor.data.nbytes
+        int8 += tensor.shape[0] * tensor.shape[1] + 4 * tensor.shape[1]  # int8 values + a float32 scale a row
+    return {"stored": stored, "int8": int8}
+
+
+def model_section(path: str, modes: list[str], runs: int, omp_wait_policy: str | None) -> list[str]:
+    """tokenmill serve (each of `modes`) and llama-server on one GGUF file, one after the other."""
+    from tokenmill.bench.machine import memory_bandwidth_gbs
+
+    tokenizer = Tokenizer.from_path(path)
+    bandwidth = memory_bandwidth_gbs()
+    per_token = streamed_bytes_per_token(path)
+    results: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        with live_server("--model", path, "--quantization", mode, omp_wait_policy=omp_wait_policy) as server:
+            results[f"tokenmill -q {mode}"] = model_runs(server.url, tokenizer, runs)
+        print(mode, results[f"tokenmill -q {mode}"]["single"], flush=True)
+    with llamacpp_server(path) as url:
+        if url:
+            results["llama.cpp"] = model_runs(url, tokenizer, runs)
+    peer = results.get("llama.cpp")
+    rows: list[list[object]] = []
+    for name, r in results.items():
+        streamed = per_token["int8" if name == "tokenmill -q auto" else "stored"]
+        gbs = statistics.median(r["single"]) * streamed / 1e9
+        rows.append([name, spread(r["single"]), f"{gbs:.1f} ({gbs / bandwidth:.0%})", spread(r["prompt512"], 0),
+                     spread(r["prompt2048"], 0), *[mixed_cell(r[f"mixed{c}"]) for c in (16, 32)]])
+        print(rows[-1], flush=True)
+        if peer is not None and r is not peer:
+            rows.append([f"{name} / llama.cpp", median_ratio(r["single"], peer["single"]), "",
+                         median_ratio(r["prompt512"], peer["prompt512"]),
+                         median_ratio(r["prompt2048"], peer["prompt2048"]),
+                         *[median_ratio([r[f"mixed{c}"]["total_token_throughput"]],
+                                        [peer[f"mixed{c}"]["total_token_throughput"]]) for c in (16, 32)]])
+    return [f"### {Path(path).name} ({os.path.getsize(path) / 1e9:.2f} GB)", "",
+            f"Memory {bandwidth:.1f} GB/s (copy, measured in this run). Weight bytes a decode step reads: "
+            f"{per_token['stored'] / 1e9:.2f} GB as the file stores them (llama.cpp, `-q gguf`), "
+            f"{per_token['int8'] / 1e9:.2f} GB as int8 rows (`-q auto` here). Single stream: 256 tokens after a "
+            "32-token prompt, EOS ignored, median (min-max) of 3 fresh prompts; the next column is those bytes x "
+            "tok/s (share of the copy bandwidth). Prompt tok/s: one request alone, prompt / TTFT, median of 3. "
+            "`mixed` (prompts 32-512, outputs 8-512) with all requests at once: total tok/s / TTFT p50 s / ITL p50 ms.",
+            "",
+            markdown_table(["server", "single stream tok/s", "GB/s streamed", "prompt 512 tok/s",
+                            "prompt 2048 tok/s", "16 mixed", "32 mixed"], rows), ""]
+
+
+def mixed_cell(summary: dict[str, Any]) -> str:
+    return (f"{summary['total_token_throughput']:.1f} / {summary['ttft_s']['p50']:.2f} / "
+            f"{summary['itl_s']['p50'] * 1000:.0f}")
+
+
+def median_ratio(ours: list[float], theirs: list[float]) -> str:
+    return f"{statistics.median(ours) / statistics.median(theirs):.2f}x"
 
 
 def spread(values: list[float], digits: int = 1) -> str:
@@ -170,7 +269,22 @@ def main() -> None:
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file: serve it with tokenmill (each --serve-quantization) and llama-server, "
+                             "and write the section peers-model (instead of the bundled model's offline/serving)")
+    parser.add_argument("--serve-quantization", nargs="+", default=["auto", "gguf"],
+                        help="with --model: tokenmill serve's --quantization modes to measure")
     args = parser.parse_args()
+    if args.model is not None:
+        lines = ["## Real model files, side by side with llama.cpp (`python benchmarks/bench_peers.py --model FILE`)",
+                 "", f"Machine: {machine_description()}. Each server alone, one after the other, in one run; "
+                 "llama-server with 32 slots and -b/-ub 512 (tokenmill's step budget).", "",
+                 *model_section(args.model, args.serve_quantization, args.runs, args.omp_wait_policy or None)]
+        print("\n".join(lines))
+        if not args.no_write:
+            write_section(f"peers-{Path(args.model).stem}", "\n".join(lines))
+            print(f"wrote docs/BENCHMARKS.md (peers-{Path(args.model).stem})")
+        return
     prompts = json.loads((PEERS / "prompts32.json").read_text())
     lines = ["## Side by side with llama.cpp and OpenVINO GenAI (`python benchmarks/bench_peers.py`)", "",
              f"Machine: {machine_description()}. Same model file (SmolLM2-135M-Instruct Q4_1 GGUF) everywhere; "

@@ -25,3 +25,25 @@ def test_generate_jsonl_batch(tmp_path) -> None:  # noqa: ANN001
     assert results[2]["token_ids"] == results[0]["token_ids"]
     assert all(r["finish_reason"] in ("stop", "length") and r["token_ids"] for r in results)
     assert "messages" in results[1] and results[1]["prompt_tokens"] > 10
+
+
+def test_serve_front_end_never_imports_torch() -> None:
+    """`tokenmill serve` with engine-core processes: the API server reads the model's metadata and tokenizer only
+    (start-up time and memory), while each engine core maps torch and answers."""
+    import httpx
+    import psutil
+
+    from tests.server_utils import live_server
+
+    def maps_torch(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch_cpu" in f.read()
+
+    with live_server("--max-num-seqs", "2") as server:
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+        front_end = psutil.Process(server.proc.pid)
+        assert not maps_torch(front_end.pid)
+        children = front_end.children(recursive=True)
+        assert any(maps_torch(child.pid) for child in children)  # the engine core (and its fork server)

@@ -163,6 +163,41 @@ def _serve(args: argparse.Namespace) -> int:
                       log_level=args.log_level)
 
 
+def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from tokenmill.bench import serve_cli, soak, sweep
+
+    bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
+    serve_cli.add_args(bench_serve)
+    bench_serve.set_defaults(func=serve_cli.main)
+    bench_sweep = bench_sub.add_parser("sweep", help="run the serving experiments, write docs/BENCHMARKS.md")
+    sweep.add_args(bench_sweep)
+    bench_sweep.set_defaults(func=sweep.main)
+    bench_soak = bench_sub.add_parser("soak", help="drive a server with thousands of mixed requests, check it holds")
+    soak.add_args(bench_soak)
+    bench_soak.set_defaults(func=soak.main)
+
+
+def _add_sim_commands(sim: argparse.ArgumentParser) -> None:
+    sim_sub = sim.add_subparsers(dest="sim_command", required=True)
+    from tokenmill.sim import cli as sim_cli
+
+    sim_run = sim_sub.add_parser("run", help="simulate a workload on a model and hardware preset")
+    sim_cli.add_args(sim_run)
+    sim_run.set_defaults(func=sim_cli.main)
+    sim_sweep = sim_sub.add_parser("sweep", help="vary one setting (request rate, batching, token budget, seqs)")
+    sim_cli.add_sweep_args(sim_sweep)
+    sim_sweep.set_defaults(func=sim_cli.sweep_main)
+    sim_capacity = sim_sub.add_parser("capacity", help="replicas needed for a target rate under SLOs")
+    sim_cli.add_capacity_args(sim_capacity)
+    sim_capacity.set_defaults(func=sim_cli.capacity_main)
+    from tokenmill.sim import calibrate
+
+    sim_calibrate = sim_sub.add_parser("calibrate", help="fit this CPU's profile to timed steps of the real engine")
+    calibrate.add_args(sim_calibrate)
+    sim_calibrate.set_defaults(func=calibrate.main)
+
+
 def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
         from tokenmill.engine.process_start import start_core_server
@@ -234,37 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from tokenmill.bench import serve_cli, soak, sweep
-
-    bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
-    serve_cli.add_args(bench_serve)
-    bench_serve.set_defaults(func=serve_cli.main)
-    bench_sweep = bench_sub.add_parser("sweep", help="run the serving experiments, write docs/BENCHMARKS.md")
-    sweep.add_args(bench_sweep)
-    bench_sweep.set_defaults(func=sweep.main)
-    bench_soak = bench_sub.add_parser("soak", help="drive a server with thousands of mixed requests, check it holds")
-    soak.add_args(bench_soak)
-    bench_soak.set_defaults(func=soak.main)
-
     sim = sub.add_parser("sim", help="the real scheduler on a simulated clock (cost model per step)")
-    sim_sub = sim.add_subparsers(dest="sim_command", required=True)
-    from tokenmill.sim import cli as sim_cli
-
-    sim_run = sim_sub.add_parser("run", help="simulate a workload on a model and hardware preset")
-    sim_cli.add_args(sim_run)
-    sim_run.set_defaults(func=sim_cli.main)
-    sim_sweep = sim_sub.add_parser("sweep", help="vary one setting (request rate, batching, token budget, seqs)")
-    sim_cli.add_sweep_args(sim_sweep)
-    sim_sweep.set_defaults(func=sim_cli.sweep_main)
-    sim_capacity = sim_sub.add_parser("capacity", help="replicas needed for a target rate under SLOs")
-    sim_cli.add_capacity_args(sim_capacity)
-    sim_capacity.set_defaults(func=sim_cli.capacity_main)
-    from tokenmill.sim import calibrate
-
-    sim_calibrate = sim_sub.add_parser("calibrate", help="fit this CPU's profile to timed steps of the real engine")
-    calibrate.add_args(sim_calibrate)
-    sim_calibrate.set_defaults(func=calibrate.main)
+    # The benchmark and simulator modules import the engine (and torch): only the command being run reads them,
+    # so `tokenmill serve`'s front end stays torch-free.
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    if command == ["bench"]:
+        _add_bench_commands(bench)
+    elif command == ["sim"]:
+        _add_sim_commands(sim)
 
     args = parser.parse_args(argv)
     return int(args.func(args))

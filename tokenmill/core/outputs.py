@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -112,3 +113,14 @@ class SchedulerStats:
     running_loras: list[str] | None = None
     waiting_loras: list[str] | None = None
     max_loras: int = 0
+
+
+@dataclass
+class StepRecord:
+    """Per-step stats: what was scheduled, how long it took, the state of queues and KV."""
+
+    step: int
+    seconds: float
+    stats: SchedulerStats
+    plan: SchedulerOutput | None = None  # what the step ran (read by step traces)
+    started: float = 0.0  # time.perf_counter() at its start

@@ -19,22 +19,23 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core import StepRecord
-from tokenmill.engine.core_loop import CoreDeath, CoreReport
-from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.core.outputs import StepRecord
+from tokenmill.engine.core_messages import CoreDeath, CoreReport
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.processor import InputProcessor, model_limits
+from tokenmill.engine.processor import InputProcessor, PromptType, model_limits
 from tokenmill.engine.replica import Message, ProcessReplica, Replica, ReplicaExit, ThreadReplica, cpu_share
-from tokenmill.kv_transfer.connector import discard
-from tokenmill.kv_transfer.handoff import Handoffs
+from tokenmill.kv_transfer.handoff import Handoffs, discard
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request
 from tokenmill.router.policy import Decision, Router, make_router
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -168,10 +169,10 @@ class AsyncLLM:
         tokenizer and the model's metadata (weights load lazily, so it never reads them)."""
         import concurrent.futures
 
-        from tokenmill.model.loader import load_model
+        from tokenmill.model.metadata import read_metadata
         from tokenmill.model.tokenizer import Tokenizer
 
-        loaded = load_model(config.model)
+        loaded = read_metadata(config.model)
         # the replicas start (and load their weights) while this process builds its tokenizer
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             launching = pool.submit(launch_all, replicas)
@@ -183,7 +184,7 @@ class AsyncLLM:
                     replica.stop(timeout=1.0)
                 raise
             launching.result()
-        max_model_len, eos = model_limits(loaded, tokenizer, config)
+        max_model_len, eos = model_limits(loaded.config, tokenizer, config)
         capacity = min(r.info.num_kv_blocks * r.info.block_size for r in replicas if r.info is not None)
         processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity,
                                    cache_salt_of=loaded.config.rope_cache_key, model_config=loaded.config)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from tokenmill.core.outputs import EngineCoreOutput, SchedulerOutput, StepRecord
 from tokenmill.core.remote_kv import RemoteKVLoads
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor.model_runner import Executor
@@ -23,17 +22,6 @@ from tokenmill.structured_output.manager import StructuredOutputManager
 # With nothing runnable but requests whose grammar is compiling or whose KV is arriving, the loop waits this
 # long for one at most.
 IDLE_WAIT_S = 0.05
-
-
-@dataclass
-class StepRecord:
-    """Per-step stats: what was scheduled, how long it took, the state of queues and KV."""
-
-    step: int
-    seconds: float
-    stats: SchedulerStats
-    plan: SchedulerOutput | None = None  # what the step ran (read by step traces)
-    started: float = 0.0  # time.perf_counter() at its start
 
 
 class ModelStepError(RuntimeError):

@@ -58,7 +58,8 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s[core {options.index}]: %(message)s")
     import torch
 
-    from tokenmill.engine.core_loop import Command, CoreDeath, CoreInfo, CoreLoop, CoreReport
+    from tokenmill.engine.core_loop import CoreLoop
+    from tokenmill.engine.core_messages import Command, CoreDeath, CoreInfo, CoreReport
 
     if threads:
         torch.set_num_threads(threads)

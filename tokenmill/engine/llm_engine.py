@@ -58,7 +58,7 @@ class LLMEngine:
     @classmethod
     def _over_runner(cls, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer,
                      runner: ModelRunner) -> LLMEngine:
-        max_model_len, eos = model_limits(loaded, tokenizer, config)
+        max_model_len, eos = model_limits(loaded.config, tokenizer, config)
         engine = cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size,
                      cache_salt_of=loaded.config.rope_cache_key, model_config=loaded.config)
         token_budget = engine.core.scheduler.token_budget

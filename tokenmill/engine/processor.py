@@ -14,7 +14,6 @@ from typing import Any
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.scheduler import check_request_fits
 from tokenmill.lora.request import LoRARequest
-from tokenmill.model.loader import LoadedModel
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
@@ -24,11 +23,11 @@ from tokenmill.structured_output.manager import StructuredOutputManager
 PromptType = str | Sequence[int] | dict[str, Any]
 
 
-def model_limits(loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig) -> tuple[int, tuple[int, ...]]:
+def model_limits(model: ModelConfig, tokenizer: Tokenizer, config: EngineConfig) -> tuple[int, tuple[int, ...]]:
     """(max_model_len, EOS token ids) for a model: the configured length capped by the model's, and every id the
     model config or the tokenizer names as end of sequence."""
-    model_len = loaded.config.max_context_len
-    eos = set(loaded.config.eos_token_ids)
+    model_len = model.max_context_len
+    eos = set(model.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return min(config.max_model_len or model_len, model_len), tuple(sorted(eos))

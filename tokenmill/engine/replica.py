@@ -23,15 +23,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core import EngineCore
-from tokenmill.engine.core_loop import Command, CoreDeath, CoreInfo, CoreLoop, CoreReport
+from tokenmill.engine.core_messages import Command, CoreDeath, CoreInfo, CoreReport
 from tokenmill.engine.core_proc import CoreProcessOptions, run_engine_core
 from tokenmill.engine.process_start import core_process_context
+
+if TYPE_CHECKING:
+    from tokenmill.engine.core import EngineCore
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -105,6 +107,9 @@ class ThreadReplica(Replica):
         return self.info
 
     def start(self, deliver: Deliver) -> None:
+        # imported here: a process replica's front end never imports the engine (nor torch)
+        from tokenmill.engine.core_loop import CoreLoop
+
         loop = CoreLoop(self.core, deliver, send_plans=self.send_plans)
         self._thread = threading.Thread(target=loop.run, args=(self._receive,), name="tokenmill-engine",
                                         daemon=True)

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from tokenmill.engine.core import StepRecord
+from tokenmill.core.outputs import StepRecord
 
 logger = logging.getLogger("tokenmill.stats")
 

@@ -14,7 +14,6 @@ frames with a CRC32 per block, timeouts). A GPU transport (NIXL, NCCL) would imp
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -31,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from tokenmill.kv_transfer.handoff import discard
 
 logger = logging.getLogger("tokenmill.kv_transfer")
 
@@ -147,12 +148,6 @@ class SharedMemoryConnector(KVConnector):
     def close(self) -> None:
         for request_id in list(self._files):
             self.release(request_id)
-
-
-def discard(path: str) -> None:
-    """Remove a saved request's shared-memory file (a producer that died cannot)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 _FRAME = struct.Struct("!QI")  # payload length, CRC32 of the payload

@@ -3,6 +3,8 @@ for one request, and the hand-offs in flight while requests move from one to the
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -141,3 +143,9 @@ class Handoffs:
         self.release_kv(child_ids)
         for child_id in child_ids:
             self.inflight.pop(child_id, None)
+
+
+def discard(path: str) -> None:
+    """Remove a saved request's shared-memory file (a producer that died cannot)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora.request import LoRAError, LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -28,10 +28,6 @@ PART_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 MODULE_PARTS = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "qkv_proj": ("q", "k", "v"),
                 "gate_proj": ("gate",), "up_proj": ("up",), "gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served (the message says why)."""
 
 
 @dataclass(frozen=True)

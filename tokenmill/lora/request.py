@@ -23,3 +23,7 @@ class LoRARequest:
         """Folded into a prompt's first block hash: KV computed under this adapter is its own (ints only, so
         every process hashes it alike)."""
         return hash((0x4C6F5241, self.lora_int_id))
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served (the message says why)."""

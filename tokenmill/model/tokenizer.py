@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tokenmill.model.families import GGUF_CONTROL_TOKEN, GGUF_NORMAL_TOKEN, GGUF_USER_DEFINED_TOKEN
 from tokenmill.model.gguf_file import GGUFFile
-from tokenmill.model.loader import gguf_field
+from tokenmill.model.metadata import gguf_field
 from tokenmill.platform import cache_root
 
 _NORMAL, _CONTROL, _USER_DEFINED = GGUF_NORMAL_TOKEN, GGUF_CONTROL_TOKEN, GGUF_USER_DEFINED_TOKEN
@@ -76,8 +76,8 @@ class Tokenizer:
     def from_gguf(cls, path: str, reader: Any = None) -> Tokenizer:
         if reader is None:
             reader = GGUFFile(path)
-        tokens: list[str] = list(gguf_field(reader, "tokenizer.ggml.tokens"))
-        backend = _cached_backend(reader, lambda: _gguf_backend(reader, tokens))
+        tokens = gguf_field(reader, "tokenizer.ggml.tokens")  # decoded only if the cache misses
+        backend = _cached_backend(reader, lambda: _gguf_backend(reader, list(tokens)))
         architecture = str(gguf_field(reader, "general.architecture"))
 
         def token_id(key: str) -> int | None:
@@ -175,13 +175,13 @@ def _gguf_backend(reader: Any, tokens: list[str]) -> HFTokenizer:
     return backend
 
 
-def _cached_backend(reader: Any, build: Callable[[], HFTokenizer]) -> HFTokenizer:
+def _cached_backend(reader: GGUFFile, build: Callable[[], HFTokenizer]) -> HFTokenizer:
     """`build()`, kept as tokenizer.json in the cache (keyed by every tokenizer field of the file and by this
     module's code): converting a 262k-piece SentencePiece vocabulary takes seconds, reading it back a fraction,
     and the front end and each engine core load it at every start."""
     digest = hashlib.sha256(Path(__file__).read_bytes())
     for key in sorted(k for k in reader.fields if k.startswith("tokenizer.ggml.")):
-        digest.update(key.encode() + b"\0" + repr(reader.fields[key]).encode() + b"\0")
+        digest.update(key.encode() + b"\0" + reader.field_bytes(key) + b"\0")
     path = cache_root() / "tokenizers" / f"{digest.hexdigest()[:24]}.json"
     if path.exists():
         with contextlib.suppress(Exception):  # a damaged entry is rebuilt

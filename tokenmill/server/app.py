@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, QueueFullError, RequestStream
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats_logger import DEFAULT_INTERVAL_S, LoggingStatLogger
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
@@ -44,6 +43,9 @@ from tokenmill.server.responses_api import DEFAULT_STORE_SIZE, ResponseStore, ad
 from tokenmill.server.serving import Serving, params_or_400, tool_constraint
 from tokenmill.server.tokenizer_api import add_tokenizer_routes
 from tokenmill.server.tools import prepare_conversation
+
+if TYPE_CHECKING:
+    from tokenmill.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("tokenmill.server")
 T = TypeVar("T")
@@ -167,7 +169,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     options = options or ServerOptions()
     state = state or ServerState()
     api_key = options.api_key
-    if isinstance(llm, LLMEngine):
+    if not isinstance(llm, AsyncLLM):
         llm = AsyncLLM.from_engine(llm)
     model_name = options.served_model_name or default_model_name(llm.config)
     tokenizer = llm.tokenizer
@@ -481,7 +483,10 @@ def start_front_end(config: EngineConfig, options: ServerOptions, log_level: str
     if options.data_parallel_size > 1:
         raise ValueError("--data-parallel-size > 1 needs engine-core processes (TOKENMILL_ENABLE_MULTIPROCESSING=1)")
     # The engine steps in a thread of this process: load the model in a passing thread, so that the engine
-    # thread's OpenMP team is the only one alive while serving (see platform.in_passing_thread).
+    # thread's OpenMP team is the only one alive while serving (see platform.in_passing_thread). Imported here:
+    # with engine-core processes (the default) this process never imports the engine, nor torch.
+    from tokenmill.engine.llm_engine import LLMEngine
+
     engine = in_passing_thread(lambda: LLMEngine.from_config(config))
     engine.structured_output.warm_up()
     return AsyncLLM.from_engine(engine)

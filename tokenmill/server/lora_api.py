@@ -18,8 +18,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from tokenmill.config import ModelConfig
-from tokenmill.lora.adapter import LoRAError, load_adapter
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora.request import LoRAError, LoRARequest
 from tokenmill.server.errors import APIError
 
 
@@ -77,6 +76,8 @@ class LoRARegistry:
         if name in self.adapters:
             raise LoRAError(f"the LoRA adapter {name!r} has already been loaded")
         request = LoRARequest(name, next(self._ids), str(Path(path).resolve()))
+        from tokenmill.lora.adapter import load_adapter  # torch: imported only where adapters are served
+
         load_adapter(request, self.model_config, self.max_lora_rank)  # raises LoRAError with the reason
         self.adapters[name] = request
         return request

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import IO
 
-from tokenmill.engine.core import StepRecord
+from tokenmill.core.outputs import StepRecord
 from tokenmill.sim.cost_model import StepShape
 
 

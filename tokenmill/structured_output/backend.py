@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # Fixed separators, no free whitespace: see StructuredOutputsParams.disable_any_whitespace.
 JSON_OPTIONS: dict[str, Any] = {

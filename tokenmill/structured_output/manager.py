@@ -8,13 +8,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenmill.structured_output.backend import Grammar, GrammarCompiler, grammar_definition
-from tokenmill.structured_output.bitmask import allocate_bitmask
+
+if TYPE_CHECKING:
+    import torch
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,9 @@ class StructuredOutputManager:
     def grammar_bitmask(self, rows: Sequence[tuple[Grammar, Sequence[int]]]) -> torch.Tensor:
         """The bitmask for the constrained rows of a step, in order: for each (grammar, proposed tokens), the
         allowed tokens now and after each proposed token (the matcher steps through them and back)."""
+        # imported here: the front end validates constraints with this class and never imports torch
+        from tokenmill.structured_output.bitmask import allocate_bitmask
+
         bitmask = allocate_bitmask(sum(1 + len(proposed) for _, proposed in rows), self.vocab_size)
         row = 0
         for grammar, proposed in rows:
