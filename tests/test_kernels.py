@@ -236,10 +236,12 @@ def test_grouped_int8_linear_matches_its_torch_reference(rows: int, k: int, n: i
         assert torch.equal(layer(x[r:r + 1]), out[r:r + 1])
 
 
-def test_gguf_blocks_executed_as_stored_match_their_dequantized_product() -> None:
-    """Every format the gguf_matmul kernel executes: its output is the float64 product of the dequantized
-    weights with the int8-quantized activations (rounding only), the same for a token alone or at any place in
-    a batch, and reordered rows (row_index) give the same rows."""
+@pytest.mark.parametrize("panels", [False, True], ids=["in-place", "panels"])
+def test_gguf_blocks_executed_as_stored_match_their_dequantized_product(panels: bool) -> None:
+    """Every format the GGUF kernels execute, read in place (gguf_matmul.c) or repacked into 16-row panels
+    (gguf_panels.c, AVX512-VNNI): the output is the float64 product of the dequantized weights with the
+    int8-quantized activations (rounding only), the same for a token alone or at any place in a batch, and
+    reordered rows (row_index) give the same rows."""
     from gguf.quants import dequantize
 
     from tests.test_loader import _blocks_of_every_type
@@ -247,6 +249,8 @@ def test_gguf_blocks_executed_as_stored_match_their_dequantized_product() -> Non
     executed = [b for b in _blocks_of_every_type() if kernels.gguf_matmul_supported(int(b[0]), b[3])]
     if not kernels.int8_grouped_available():
         pytest.skip("no AVX2: GGUF layers run the int8 backend")
+    if panels and not kernels.gguf_panels_available():
+        pytest.skip("no AVX512-VNNI: GGUF weights are read in place")
     assert {t.name for t, *_ in executed} == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     gen = torch.Generator().manual_seed(3)
     for kind, data, rows, cols in executed:
@@ -255,7 +259,8 @@ def test_gguf_blocks_executed_as_stored_match_their_dequantized_product() -> Non
         q, scales, _ = kernels.quantize_groups(x)
         activations = (q.double().reshape(7, -1, 32) * scales.double().reshape(7, -1, 1)).reshape(7, cols)
         expected = activations @ weight.double().T
-        plan = kernels.GGUFMatmulPlan([(data, int(kind), rows, None)], cols)
+        plan = kernels.GGUFMatmulPlan([(data, int(kind), rows, None)], cols, panels=panels)
+        assert plan.panels == panels
         got = kernels.gguf_matmul(x, plan)
         assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-5, kind
         for t in range(7):  # tokens in and out of the 4-token tiles, alone
@@ -263,5 +268,6 @@ def test_gguf_blocks_executed_as_stored_match_their_dequantized_product() -> Non
         # stacked with itself, the second copy's rows reordered (a fused projection), with a bias
         order = torch.randperm(rows, generator=gen)
         bias = torch.randn(2 * rows, generator=gen)
-        fused = kernels.GGUFMatmulPlan([(data, int(kind), rows, None), (data, int(kind), rows, order)], cols)
+        fused = kernels.GGUFMatmulPlan([(data, int(kind), rows, None), (data, int(kind), rows, order)], cols,
+                                       panels=panels)
         assert torch.equal(kernels.gguf_matmul(x, fused, bias), torch.cat([got, got[:, order]], dim=1) + bias), kind

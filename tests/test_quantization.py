@@ -161,6 +161,9 @@ def test_resolve_quantization() -> None:
     if not kernels.native_attention_available():
         expected = "none"  # quantized modes are batch-invariant only with the native attention kernel
     assert resolve_quantization("auto", "cpu") == expected
+    # a GGUF file's own blocks where the VNNI panel kernel runs them (faster than int8 there)
+    gguf_expected = "gguf" if expected != "none" and kernels.gguf_panels_available() else expected
+    assert resolve_quantization("auto", "cpu", gguf_weights=True) == gguf_expected
     assert resolve_quantization("none", "cpu") == "none"
     assert resolve_quantization("auto", "cuda") == "none"
     with pytest.raises(ValueError, match="CPU only"):

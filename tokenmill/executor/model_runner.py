@@ -19,6 +19,7 @@ from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.attention import AttentionMetadata, allocate_kv_cache
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.metadata import resolve_model_path
 from tokenmill.model.quant import resolve_quantization
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.rejection import verify_greedy, verify_random
@@ -53,7 +54,8 @@ def linear_mode(config: EngineConfig) -> str:
             raise ValueError(f"--quantization {config.quantization} needs --dtype float32 (activations stay "
                              f"float32; the weights carry the reduced precision)")
         return "none"
-    return resolve_quantization(config.quantization, config.device)
+    return resolve_quantization(config.quantization, config.device,
+                                gguf_weights=resolve_model_path(config.model).endswith(".gguf"))
 
 
 def kv_cache_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:

@@ -317,36 +317,94 @@ def gguf_matmul_supported(tensor_type: int, cols: int) -> bool:
     return fns is not None and bool(fns[0](tensor_type)) and gguf_decodable(tensor_type, cols)
 
 
-class GGUFMatmulPlan:
-    """The stacked GGUF tensors of one linear layer, as gguf_matmul.c reads them (built once, at load): a step
-    then costs one quantize_groups call and one kernel call."""
+@functools.cache
+def _gguf_panel_fns() -> tuple[ctypes._CFuncPtr, ...] | None:  # type: ignore[name-defined]
+    lib = load_library("gguf_panels")
+    if lib is None or not lib.gguf_panels_available() or _grouped_fns() is None:
+        return None
+    supports, panel_bytes = lib.gguf_panels_supports, lib.gguf_panel_bytes
+    supports.argtypes, supports.restype = [ctypes.c_int], ctypes.c_int
+    panel_bytes.argtypes, panel_bytes.restype = [ctypes.c_int, _I64], _I64
+    pack = _function("gguf_panels", "gguf_panels_pack", [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR])
+    matmul = _function("gguf_panels", "gguf_panels_matmul", [_I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                                             _PTR, _PTR, _I64])
+    assert pack is not None and matmul is not None
+    return supports, panel_bytes, pack, matmul
 
-    def __init__(self, parts: list[tuple[np.ndarray, int, int, torch.Tensor | None]], cols: int) -> None:
-        # parts: (bytes [rows, row bytes], GGML type, rows, row_index (int64) or None), stacked in order
+
+def gguf_panels_available() -> bool:
+    """Whether GGUF weights are repacked into 16-row panels for the VNNI kernel (kernels/gguf_panels.c) here."""
+    return _gguf_panel_fns() is not None
+
+
+def _panel_bytes(tensor_type: int, cols: int) -> int:
+    fns = _gguf_panel_fns()
+    return 0 if fns is None or not fns[0](tensor_type) else int(fns[1](tensor_type, cols))
+
+
+class GGUFMatmulPlan:
+    """The stacked GGUF tensors of one linear layer, as the kernels read them (built once, at load): on
+    AVX512-VNNI hosts repacked into 16-row panels (gguf_panels.c; the file's bytes are then no longer read), else
+    the file's blocks in place (gguf_matmul.c). A step then costs one quantize_groups call and one kernel call."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, int, int, torch.Tensor | None]], cols: int,
+                 panels: bool | None = None) -> None:
+        """parts: (bytes [rows, row bytes], GGML type, rows, row_index (int64) or None), stacked in order;
+        panels: repack (None: wherever this host has the panel kernel and every part's type has one)."""
         count = len(parts)
         for data, tensor_type, rows, order in parts:
             _gguf_source(data, tensor_type, rows, cols)  # checks the bytes
             if order is not None:
                 assert order.dtype == torch.int64 and order.is_contiguous() and order.numel() == rows
+        packable = all(_panel_bytes(t, cols) > 0 for _, t, _, _ in parts)
+        if panels and not packable:
+            raise ValueError("these GGUF tensors cannot be repacked into panels on this host")
+        self.panels = packable if panels is None else panels
         self.cols, self.outputs = cols, sum(rows for _, _, rows, _ in parts)
-        self._keep = [(data, order) for data, _, _, order in parts]  # the arrays the addresses point into
+        if self.panels:
+            fns = _gguf_panel_fns()
+            assert fns is not None
+            arrays = []
+            for data, tensor_type, rows, order in parts:
+                packed = np.empty(-(-rows // 16) * _panel_bytes(tensor_type, cols), dtype=np.uint8)
+                fns[2](tensor_type, data.ctypes.data, rows, cols, None if order is None else order.data_ptr(),
+                       packed.ctypes.data)
+                arrays.append(packed)
+            self._keep: list[object] = arrays
+            addresses = [int(a.ctypes.data) for a in arrays]
+            row_index = [0] * count
+        else:
+            self._keep = [(data, order) for data, _, _, order in parts]  # the arrays the addresses point into
+            addresses = [int(d.ctypes.data) for d, _, _, _ in parts]
+            row_index = [0 if o is None else o.data_ptr() for _, _, _, o in parts]
         self.types = (ctypes.c_int * count)(*(t for _, t, _, _ in parts))
-        self.weights = (ctypes.c_void_p * count)(*(int(d.ctypes.data) for d, _, _, _ in parts))
+        self.weights = (ctypes.c_void_p * count)(*addresses)
         self.rows = (ctypes.c_int64 * count)(*(r for _, _, r, _ in parts))
-        self.row_index = (ctypes.c_void_p * count)(*(0 if o is None else o.data_ptr() for _, _, _, o in parts))
+        self.row_index = (ctypes.c_void_p * count)(*row_index)
         self.count = count
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the panels this plan holds (0 where it reads the file's blocks in place)."""
+        return sum(a.nbytes for a in self._keep if isinstance(a, np.ndarray)) if self.panels else 0
 
 
 def gguf_matmul(x: torch.Tensor, plan: GGUFMatmulPlan, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [tokens, k] float32 @ W.T, W the plan's stacked GGUF tensors executed as stored: activations quantized
-    per group of 32 (quantize_groups), integer dots per block (kernels/gguf_matmul.c)."""
-    fns = _gguf_matmul_fns()
-    assert fns is not None and x.shape[1] == plan.cols and x.is_contiguous()
+    per group of 32 (quantize_groups), integer dots per block (kernels/gguf_panels.c or gguf_matmul.c)."""
+    assert x.shape[1] == plan.cols and x.is_contiguous()
     q, scales, corr = quantize_groups(x)
     out = torch.empty(x.shape[0], plan.outputs, dtype=torch.float32)
-    fns[1](plan.count, plan.types, plan.weights, plan.rows, plan.row_index, plan.cols, q.data_ptr(),
-           scales.data_ptr(), corr.data_ptr(), x.shape[0], 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-           out.stride(0))
+    args = (q.data_ptr(), scales.data_ptr(), corr.data_ptr(), x.shape[0], 0 if bias is None else bias.data_ptr(),
+            out.data_ptr(), out.stride(0))
+    if plan.panels:
+        panel_fns = _gguf_panel_fns()
+        assert panel_fns is not None
+        panel_fns[3](plan.count, plan.types, plan.weights, plan.rows, plan.cols, *args)
+    else:
+        fns = _gguf_matmul_fns()
+        assert fns is not None
+        fns[1](plan.count, plan.types, plan.weights, plan.rows, plan.row_index, plan.cols, *args)
     return out
 
 
@@ -455,13 +513,13 @@ class LinearPointers(ctypes.Structure):
     kernel and their scales, or (packed NULL) a GGUFMatmulPlan's arrays."""
 
     _fields_ = [("packed", _PTR), ("scale", _PTR), ("parts", _I64), ("types", _PTR), ("weights", _PTR),
-                ("rows", _PTR), ("row_index", _PTR), ("lora", _PTR)]
+                ("rows", _PTR), ("row_index", _PTR), ("panels", _I64), ("lora", _PTR)]
 
     def set_int8(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
         self.packed, self.scale = packed.data_ptr(), scale.data_ptr()
 
     def set_gguf(self, plan: GGUFMatmulPlan) -> None:
-        self.parts = plan.count
+        self.parts, self.panels = plan.count, int(plan.panels)
         self.types, self.weights, self.rows, self.row_index = (
             ctypes.addressof(a) for a in (plan.types, plan.weights, plan.rows, plan.row_index))
 

@@ -9,10 +9,12 @@
 #include "int8_rows.c"
 #include "paged_attention.c"
 #include "gguf_matmul.c"
+#include "gguf_panels.c"
 #include "lora.c"
 
 // One projection: int8 weights packed by int8_pack with per-output-channel scales, or (packed NULL) the stacked
-// GGUF tensors gguf_matmul reads (kernels.GGUFMatmulPlan's arrays).
+// GGUF tensors of a kernels.GGUFMatmulPlan: the file's blocks gguf_matmul reads, or (panels 1) the same tensors
+// repacked by gguf_panels_pack.
 typedef struct {
     const int8_t *packed;
     const float *scale;
@@ -21,6 +23,7 @@ typedef struct {
     const uint8_t *const *weights;
     const int64_t *rows;
     const int64_t *const *row_index;
+    int64_t panels;
     const LoRAWeights *lora;  // the adapters' parts on this projection, or NULL
 } Linear;
 
@@ -42,7 +45,10 @@ static void base_linear(const Linear *w, const float *x, int64_t tokens, int64_t
     float *scales = malloc(sizeof(float) * (size_t)(tokens * k / 32));
     int32_t *corr = malloc(sizeof(int32_t) * (size_t)(tokens * k / 32));
     quantize_groups(x, tokens, k, k, q, scales, corr);
-    gguf_matmul(w->parts, w->types, w->weights, w->rows, w->row_index, k, q, scales, corr, tokens, bias, out, n);
+    if (w->panels)
+        gguf_panels_matmul(w->parts, w->types, w->weights, w->rows, k, q, scales, corr, tokens, bias, out, n);
+    else
+        gguf_matmul(w->parts, w->types, w->weights, w->rows, w->row_index, k, q, scales, corr, tokens, bias, out, n);
     free(q);
     free(scales);
     free(corr);

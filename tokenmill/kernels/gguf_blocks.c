@@ -18,6 +18,8 @@
  *   Q5_K 256 values, 176 B: as Q4_K plus 32 B of fifth bits
  *   Q6_K 256 values, 210 B: 128 B low nibbles, 64 B of 2-bit highs, 16 int8 scales, d; w = d*sc * (q - 32)
  */
+#ifndef TOKENMILL_GGUF_BLOCKS
+#define TOKENMILL_GGUF_BLOCKS
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -229,3 +231,4 @@ void gguf_gather_rows(int type, const uint8_t *src, int64_t cols, const int64_t 
 #pragma omp parallel for schedule(static) if (n > 16)
     for (int64_t r = 0; r < n; r++) decode_row(type, src + index[r] * row_bytes, cols, out + r * cols);
 }
+#endif  // TOKENMILL_GGUF_BLOCKS

@@ -1,14 +1,17 @@
 """The `gguf` linear backend: a GGUF file's quantized weights executed as the file stores them.
 
-A layer holds, per stored tensor it fuses (q, k and v; gate and up), the tensor's blocks as a view into the
-file's memory map (no copy: the pages are the file's, shared and clean) and runs `kernels/gguf_matmul.c` on
-them: activations quantized to int8 per group of 32, integer dot products per block, as llama.cpp does. A
+A layer holds, per stored tensor it fuses (q, k and v; gate and up), the tensor's blocks: on AVX512-VNNI hosts
+repacked at load into the 16-row panels `kernels/gguf_panels.c` reads (the same bits, interleaved; the file's
+pages are then dropped), elsewhere a view into the file's memory map (no copy: the pages are the file's, shared
+and clean) that `kernels/gguf_matmul.c` reads. Either way activations are quantized to int8 per group of 32 and
+multiplied by the blocks' integers, as llama.cpp does. A
 layer whose tensors the kernel lacks (F16/F32 weights, Q2_K, Q3_K, the IQ types), and any layer loaded from
 float32 weights (a Hugging Face directory), is an int8 layer instead, so `--quantization gguf` runs any model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +30,7 @@ class StoredBlocks:
     rows: int
     cols: int
     row_order: torch.Tensor | None = None  # model row i is stored row row_order[i] (llama.cpp's q/k permutation)
+    release: Callable[[], None] | None = None  # drops the tensor's file pages (they fault in again if read)
 
     @property
     def executable(self) -> bool:
@@ -65,6 +69,10 @@ class GGUFLinear(QuantLinear):
             start += part.rows
         self.plan = kernels.GGUFMatmulPlan([(p.data, p.tensor_type, p.rows, order) for p, order in self.parts],
                                            self.in_features)
+        if self.plan.panels:  # repacked: the kernel no longer reads the file's pages
+            for part in parts:
+                if part.release is not None:
+                    part.release()
         self._load_bias(bias)
         return True
 

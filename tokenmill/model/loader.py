@@ -186,7 +186,8 @@ def _load_gguf(reader: GGUFFile, config: ModelConfig, family: Family) -> LazyWei
             rows, cols = _shape(tensor)
             order = rows_in_hf_order(torch.arange(rows), name)
             blocks[name] = StoredBlocks(tensor.data.reshape(rows, -1), int(tensor.tensor_type), rows, cols,
-                                        None if torch.equal(order, torch.arange(rows)) else order)
+                                        None if torch.equal(order, torch.arange(rows)) else order,
+                                        functools.partial(reader.release, tensor))
             if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
                 stored[name] = StoredEmbedding(blocks[name])
     return LazyWeights(readers, blocks, stored, lambda name: reader.release(tensors[name]))

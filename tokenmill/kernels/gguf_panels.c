@@ -1,0 +1,474 @@
+/* GGUF weights repacked at load into 16-row panels, and the AVX512-VNNI linear layer over them.
+ *
+ * gguf_matmul.c reads the file's blocks in place, one output row at a time: each block's 32 products end in a
+ * horizontal sum, and on a 2-core host a 4-bit model then decodes at half the speed of int8 weights. Here the
+ * blocks of 16 output rows are interleaved as the int8 kernel's weights are (int8_rows.c: one 64-byte vector
+ * holds 4 consecutive k of 16 rows), so one `vpdpbusd` with 4 broadcast activations accumulates 16 outputs and
+ * no horizontal sum is needed. The bits stay the file's: 4-bit levels two to a byte (the low nibbles k0-3 of a
+ * vector's 8 k, the high nibbles k4-7), a 5th and 6th bit as 64-bit masks per vector (added back with one masked
+ * byte add), the scales as the file's fp16 bits and 6-bit integers. A panel costs the file's bytes to within 3%
+ * (Q4_K: 4.625 bits a weight against 4.5) and the file's pages are dropped once packed.
+ *
+ * Per panel and group of 32 k, for each of 16 rows, with x quantized per group of 32 (quantize_groups: int8
+ * levels xq, scale xd):
+ *     y += xd * scale * (sum levels * xq + c * sum xq)   +   offset * xd * sum xq
+ * where the weight is scale * (level + c) + offset: Q4_0 / Q5_0 / Q8_0 c = -8 / -16 / -128 (Q8_0's int8 is
+ * stored + 128, unsigned, for vpdpbusd) and scale d; Q4_1 / Q5_1 scale d, offset m; Q4_K / Q5_K scale d * sc,
+ * offset -dmin * mn; Q6_K c = -32 with a scale d * sc per 16 k. The integer part is exact (c * sum xq starts the
+ * int32 accumulator), then one float multiply-add per group in k order, so a token's result is the same for any
+ * batch: up to 8 tokens share each weight load, each in its own accumulators.
+ *
+ * Panel layout, per group of 32 k (in k order; k-quants put a superblock header before every 8th group):
+ *   levels  nibble formats: 4 vectors of 64 B, byte [r * 4 + i] of vector v = level(r, 8v + i) | level(r, 8v + 4 + i) << 4
+ *           Q8_0: 8 vectors of 64 B, byte [r * 4 + i] of vector v = level(r, 4v + i)
+ *   masks   Q5_x: per vector, u64 bit4 of the low nibbles' levels, u64 of the high ones (64 B)
+ *           Q6_K: per vector, bit4 low, bit4 high, bit5 low, bit5 high (128 B)
+ *   params  Q4_0/Q5_0/Q8_0: fp16 d [16]; Q4_1/Q5_1: fp16 d [16], fp16 m [16]; Q4_K/Q5_K: u8 sc [16], u8 mn [16];
+ *           Q6_K: int8 sc [16] of k 0-15, int8 sc [16] of k 16-31
+ *   header  Q4_K/Q5_K: fp16 d [16], fp16 dmin [16]; Q6_K: fp16 d [16]
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf_blocks.c"
+
+#define PANEL 16  // output rows per panel: one 512-bit vector of int32 or float lanes
+
+static int nibble_format(int type) { return type != T_Q8_0; }
+static int k_quant(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+static int64_t mask_bytes(int type) {
+    return type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K ? 64 : type == T_Q6_K ? 128 : 0;
+}
+
+static int64_t param_bytes(int type) { return type == T_Q4_1 || type == T_Q5_1 ? 64 : 32; }
+
+static int64_t group_bytes(int type) { return (nibble_format(type) ? 256 : 512) + mask_bytes(type) + param_bytes(type); }
+
+static int64_t header_bytes(int type) { return type == T_Q6_K ? 32 : k_quant(type) ? 64 : 0; }
+
+int gguf_panels_supports(int type) {
+    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
+           type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+}
+
+/* bytes of one panel of 16 rows of k values (0: not packed here) */
+int64_t gguf_panel_bytes(int type, int64_t k) {
+    if (!gguf_panels_supports(type) || gguf_row_bytes(type, k) == 0) return 0;
+    return k / 32 * group_bytes(type) + k / 256 * header_bytes(type);
+}
+
+// One row decoded to its integer parts: levels [k] (unsigned), per group of 32 the fp16 bits of d and m (or
+// the 6-bit sc and mn, or Q6_K's two int8 scales), per superblock the fp16 bits of d and dmin.
+typedef struct {
+    uint8_t *levels;
+    uint16_t *d, *m;  // [k / 32]
+    uint8_t *sc, *mn;  // [k / 32]
+    int8_t *sc16;  // [k / 16]
+    uint16_t *super_d, *super_dmin;  // [k / 256]
+} RowParts;
+
+static uint16_t half_bits(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+static void decode_levels(int type, const uint8_t *row, int64_t k, RowParts *out) {
+    int64_t values, bytes;
+    block_shape(type, &values, &bytes);
+    for (int64_t b = 0; b < k / values; b++) {
+        const uint8_t *blk = row + b * bytes;
+        uint8_t *L = out->levels + b * values;
+        switch (type) {
+        case T_Q4_0: case T_Q4_1: {
+            const uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
+            for (int j = 0; j < 16; j++) L[j] = qs[j] & 0x0F, L[j + 16] = qs[j] >> 4;
+            out->d[b] = half_bits(blk);
+            out->m[b] = type == T_Q4_1 ? half_bits(blk + 2) : 0;
+            break;
+        }
+        case T_Q5_0: case T_Q5_1: {
+            const int with_min = type == T_Q5_1;
+            const uint8_t *qh = blk + (with_min ? 4 : 2), *qs = qh + 4;
+            const uint32_t high = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) |
+                                  ((uint32_t)qh[3] << 24);
+            for (int j = 0; j < 32; j++)
+                L[j] = (uint8_t)((j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4)) | (((high >> j) & 1) << 4));
+            out->d[b] = half_bits(blk);
+            out->m[b] = with_min ? half_bits(blk + 2) : 0;
+            break;
+        }
+        case T_Q8_0:
+            for (int j = 0; j < 32; j++) L[j] = blk[2 + j] ^ 0x80;  // int8 + 128
+            out->d[b] = half_bits(blk);
+            break;
+        case T_Q4_K: case T_Q5_K: {
+            const int five = type == T_Q5_K;
+            const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+            for (int j = 0; j < 8; j++) {
+                scale_min_k4(blk + 4, j, out->sc + 8 * b + j, out->mn + 8 * b + j);
+                const uint8_t *nibbles = qs + (j / 2) * 32;
+                for (int l = 0; l < 32; l++) {
+                    int q = (j % 2) ? (nibbles[l] >> 4) : (nibbles[l] & 0x0F);
+                    if (five) q |= ((qh[l] >> j) & 1) << 4;
+                    L[32 * j + l] = (uint8_t)q;
+                }
+            }
+            out->super_d[b] = half_bits(blk);
+            out->super_dmin[b] = half_bits(blk + 2);
+            break;
+        }
+        case T_Q6_K: {
+            const uint8_t *ql = blk, *qh = blk + 128;
+            for (int i = 0; i < 256; i++) {
+                const int half = i / 128, within = i % 128, l = within % 32, quarter = within / 32;
+                const int low = (ql[half * 64 + (quarter % 2) * 32 + l] >> (4 * (quarter / 2))) & 0x0F;
+                const int high = (qh[half * 32 + l] >> (2 * quarter)) & 3;
+                L[i] = (uint8_t)(low | (high << 4));
+            }
+            memcpy(out->sc16 + 16 * b, blk + 192, 16);
+            out->super_d[b] = half_bits(blk + 208);
+            break;
+        }
+        }
+    }
+}
+
+/* blocks [rows, row bytes] of one tensor -> ceil(rows / 16) panels at out (gguf_panel_bytes each). Panel row r of
+ * panel p is stored row index[16 p + r] (index NULL: in order); rows past the end are zero weights. */
+void gguf_panels_pack(int type, const uint8_t *blocks, int64_t rows, int64_t k, const int64_t *index, uint8_t *out) {
+    const int64_t row_bytes = gguf_row_bytes(type, k), panels = (rows + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = gguf_panel_bytes(type, k), groups = k / 32;
+    // per row: levels [k], d and m [groups] (u16), sc and mn [groups], sc16 [k / 16], super_d and super_dmin [k / 256]
+    const int64_t scratch_row = k + 8 * groups + 4 * (k / 256);
+#pragma omp parallel
+    {
+        RowParts parts[PANEL];
+        uint8_t *scratch = malloc((size_t)(PANEL * scratch_row));
+        for (int r = 0; r < PANEL; r++) {
+            uint8_t *base = scratch + r * scratch_row;
+            parts[r].levels = base;
+            parts[r].d = (uint16_t *)(base + k);
+            parts[r].m = parts[r].d + groups;
+            parts[r].sc = base + k + 4 * groups;
+            parts[r].mn = parts[r].sc + groups;
+            parts[r].sc16 = (int8_t *)(parts[r].mn + groups);
+            parts[r].super_d = (uint16_t *)(base + k + 8 * groups);
+            parts[r].super_dmin = parts[r].super_d + k / 256;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            uint8_t *dst = out + p * panel_bytes;
+            for (int r = 0; r < PANEL; r++) {
+                const int64_t row = PANEL * p + r;
+                if (row < rows) {
+                    decode_levels(type, blocks + (index ? index[row] : row) * row_bytes, k, parts + r);
+                } else {  // zero weights: zero levels and scales (Q8_0's stored zero is 128)
+                    memset(scratch + r * scratch_row, 0, (size_t)scratch_row);
+                    if (type == T_Q8_0) memset(parts[r].levels, 0x80, (size_t)k);
+                }
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                if (k_quant(type) && g % 8 == 0) {
+                    uint16_t *h = (uint16_t *)dst;
+                    for (int r = 0; r < PANEL; r++) {
+                        h[r] = parts[r].super_d[g / 8];
+                        if (type != T_Q6_K) h[PANEL + r] = parts[r].super_dmin[g / 8];
+                    }
+                    dst += header_bytes(type);
+                }
+                const int64_t base = 32 * g;
+                if (nibble_format(type)) {
+                    uint64_t *masks = (uint64_t *)(dst + 256);
+                    const int mask_words = type == T_Q6_K ? 4 : 2;
+                    if (mask_bytes(type)) memset(masks, 0, (size_t)mask_bytes(type));
+                    for (int v = 0; v < 4; v++)
+                        for (int r = 0; r < PANEL; r++)
+                            for (int i = 0; i < 4; i++) {
+                                const uint8_t lo = parts[r].levels[base + 8 * v + i];
+                                const uint8_t hi = parts[r].levels[base + 8 * v + 4 + i];
+                                const int byte = r * 4 + i;
+                                dst[64 * v + byte] = (uint8_t)((lo & 0x0F) | ((hi & 0x0F) << 4));
+                                if (mask_words) {
+                                    uint64_t *m = masks + mask_words * v;
+                                    m[0] |= (uint64_t)((lo >> 4) & 1) << byte;
+                                    m[1] |= (uint64_t)((hi >> 4) & 1) << byte;
+                                    if (mask_words == 4) {
+                                        m[2] |= (uint64_t)((lo >> 5) & 1) << byte;
+                                        m[3] |= (uint64_t)((hi >> 5) & 1) << byte;
+                                    }
+                                }
+                            }
+                    dst += 256 + mask_bytes(type);
+                } else {
+                    for (int v = 0; v < 8; v++)
+                        for (int r = 0; r < PANEL; r++)
+                            for (int i = 0; i < 4; i++) dst[64 * v + r * 4 + i] = parts[r].levels[base + 4 * v + i];
+                    dst += 512;
+                }
+                for (int r = 0; r < PANEL; r++) {
+                    if (type == T_Q4_K || type == T_Q5_K) {
+                        dst[r] = parts[r].sc[g];
+                        dst[PANEL + r] = parts[r].mn[g];
+                    } else if (type == T_Q6_K) {
+                        dst[r] = (uint8_t)parts[r].sc16[2 * g];
+                        dst[PANEL + r] = (uint8_t)parts[r].sc16[2 * g + 1];
+                    } else {
+                        ((uint16_t *)dst)[r] = parts[r].d[g];
+                        if (type == T_Q4_1 || type == T_Q5_1) ((uint16_t *)dst)[PANEL + r] = parts[r].m[g];
+                    }
+                }
+                dst += param_bytes(type);
+            }
+        }
+        free(scratch);
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+int gguf_panels_available(void) { return 1; }
+
+#define TILE_MAX 8  // tokens sharing each weight load
+#define PREFETCH_AHEAD 2048  // bytes: the weights a few groups on, in flight while this group computes
+
+// One token's activations (quantize_groups' outputs and the sums derived from them)
+typedef struct {
+    const int8_t *q;  // [k]
+    const float *d, *sum_f;  // [k / 32]: scales; xd * (sum of the group's levels)
+    const int32_t *sum;  // [k / 32]: the group's sum of levels
+    const int32_t *sum16;  // [k / 16]: each half group's (Q6_K)
+} Token;
+
+static inline __m512i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+static inline __m512 u8x16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+static inline __m512 i8x16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+static inline uint64_t mask_at(const uint8_t *p) {
+    uint64_t m;
+    memcpy(&m, p, 8);
+    return m;
+}
+
+/* One panel against `tile` tokens: y[u] = the 16 rows' outputs for token u. type and tile are constants in each
+ * caller below, so every format's loop is compiled on its own. */
+static inline __attribute__((always_inline)) void panel_tile(const int type, const int tile, const uint8_t *p,
+                                                             int64_t k, const Token *x, __m512 *y) {
+    const int64_t groups = k / 32;
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 ? 128 : 0;  // -c
+    __m512 facc[TILE_MAX], oacc[TILE_MAX], dv = _mm512_setzero_ps(), dminv = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(16), bit5 = _mm512_set1_epi8(32);
+    for (int u = 0; u < tile; u++) facc[u] = oacc[u] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if (k_quant(type) && g % 8 == 0) {
+            dv = half16(p);
+            if (type != T_Q6_K) dminv = half16(p + 32);
+            p += type == T_Q6_K ? 32 : 64;
+        }
+        // two int32 chains per token (acc_b: the high nibbles, Q8_0's odd vectors, Q6_K's second 16 k), so the
+        // dependent vpdpbusd chain of a group is 4 long, not 8
+        __m512i acc[TILE_MAX], acc_b[TILE_MAX];
+        for (int u = 0; u < tile; u++) {
+            if (type == T_Q6_K) {
+                acc[u] = _mm512_set1_epi32(-32 * x[u].sum16[2 * g]);
+                acc_b[u] = _mm512_set1_epi32(-32 * x[u].sum16[2 * g + 1]);
+            } else {
+                acc[u] = _mm512_set1_epi32(-offset * x[u].sum[g]);
+                acc_b[u] = _mm512_setzero_si512();
+            }
+        }
+        _mm_prefetch((const char *)(p + PREFETCH_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 192), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 256), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 320), _MM_HINT_T0);
+        if (type == T_Q8_0) {
+            _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 384), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 448), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 512), _MM_HINT_T0);
+            for (int v = 0; v < 8; v++) {
+                const __m512i w = _mm512_loadu_si512(p + 64 * v);
+                for (int u = 0; u < tile; u++) {
+                    __m512i *chain = v % 2 ? acc_b + u : acc + u;
+                    *chain = _mm512_dpbusd_epi32(*chain, w, broadcast4(x[u].q + 32 * g + 4 * v));
+                }
+            }
+            p += 512;
+        } else {
+            const uint8_t *masks = p + 256;
+            for (int v = 0; v < 4; v++) {
+                const __m512i w = _mm512_loadu_si512(p + 64 * v);
+                __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+                if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+                    lo = _mm512_mask_add_epi8(lo, mask_at(masks + 16 * v), lo, bit4);
+                    hi = _mm512_mask_add_epi8(hi, mask_at(masks + 16 * v + 8), hi, bit4);
+                } else if (type == T_Q6_K) {
+                    lo = _mm512_mask_add_epi8(lo, mask_at(masks + 32 * v), lo, bit4);
+                    hi = _mm512_mask_add_epi8(hi, mask_at(masks + 32 * v + 8), hi, bit4);
+                    lo = _mm512_mask_add_epi8(lo, mask_at(masks + 32 * v + 16), lo, bit5);
+                    hi = _mm512_mask_add_epi8(hi, mask_at(masks + 32 * v + 24), hi, bit5);
+                }
+                for (int u = 0; u < tile; u++) {
+                    const int8_t *xq = x[u].q + 32 * g + 8 * v;
+                    if (type == T_Q6_K && v >= 2) {
+                        acc_b[u] = _mm512_dpbusd_epi32(acc_b[u], lo, broadcast4(xq));
+                        acc_b[u] = _mm512_dpbusd_epi32(acc_b[u], hi, broadcast4(xq + 4));
+                    } else if (type == T_Q6_K) {
+                        acc[u] = _mm512_dpbusd_epi32(acc[u], lo, broadcast4(xq));
+                        acc[u] = _mm512_dpbusd_epi32(acc[u], hi, broadcast4(xq + 4));
+                    } else {
+                        acc[u] = _mm512_dpbusd_epi32(acc[u], lo, broadcast4(xq));
+                        acc_b[u] = _mm512_dpbusd_epi32(acc_b[u], hi, broadcast4(xq + 4));
+                    }
+                }
+            }
+            p += 256 + mask_bytes(type);
+        }
+        // the group's float part: one multiply-add per token (two for Q6_K's halves), then the offsets
+        if (type != T_Q6_K)
+            for (int u = 0; u < tile; u++) acc[u] = _mm512_add_epi32(acc[u], acc_b[u]);
+        if (type == T_Q6_K) {
+            const __m512 sa = _mm512_mul_ps(dv, i8x16(p)), sb = _mm512_mul_ps(dv, i8x16(p + 16));
+            for (int u = 0; u < tile; u++) {
+                const __m512 xd = _mm512_set1_ps(x[u].d[g]);
+                facc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[u]), _mm512_mul_ps(sa, xd), facc[u]);
+                facc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_b[u]), _mm512_mul_ps(sb, xd), facc[u]);
+            }
+        } else {
+            const int kq = type == T_Q4_K || type == T_Q5_K, with_min = type == T_Q4_1 || type == T_Q5_1;
+            const __m512 scale = kq ? _mm512_mul_ps(dv, u8x16(p)) : half16(p);
+            const __m512 min = kq ? _mm512_mul_ps(dminv, u8x16(p + 16)) : with_min ? half16(p + 32)
+                                                                                     : _mm512_setzero_ps();
+            for (int u = 0; u < tile; u++) {
+                facc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[u]), _mm512_mul_ps(scale, _mm512_set1_ps(x[u].d[g])),
+                                          facc[u]);
+                if (kq) oacc[u] = _mm512_fnmadd_ps(min, _mm512_set1_ps(x[u].sum_f[g]), oacc[u]);
+                if (with_min) oacc[u] = _mm512_fmadd_ps(min, _mm512_set1_ps(x[u].sum_f[g]), oacc[u]);
+            }
+        }
+        p += param_bytes(type);
+    }
+    for (int u = 0; u < tile; u++) y[u] = _mm512_add_ps(facc[u], oacc[u]);
+}
+
+typedef void (*PanelFn)(const uint8_t *, int64_t, const Token *, __m512 *);
+
+#define PANEL_FNS(NAME, TYPE)                                                                                     \
+    static void NAME##_1(const uint8_t *p, int64_t k, const Token *x, __m512 *y) { panel_tile(TYPE, 1, p, k, x, y); } \
+    static void NAME##_2(const uint8_t *p, int64_t k, const Token *x, __m512 *y) { panel_tile(TYPE, 2, p, k, x, y); } \
+    static void NAME##_3(const uint8_t *p, int64_t k, const Token *x, __m512 *y) { panel_tile(TYPE, 3, p, k, x, y); } \
+    static void NAME##_4(const uint8_t *p, int64_t k, const Token *x, __m512 *y) { panel_tile(TYPE, 4, p, k, x, y); } \
+    static void NAME##_5(const uint8_t *p, int64_t k, const Token *x, __m512 *y) { panel_tile(TYPE, 5, p, k, x, y); } \
+    static void NAME##_6(const uint8_t *p, int64_t k, const Token *x, __m512 *y) { panel_tile(TYPE, 6, p, k, x, y); } \
+    static void NAME##_7(const uint8_t *p, int64_t k, const Token *x, __m512 *y) { panel_tile(TYPE, 7, p, k, x, y); } \
+    static void NAME##_8(const uint8_t *p, int64_t k, const Token *x, __m512 *y) { panel_tile(TYPE, 8, p, k, x, y); }
+PANEL_FNS(q4_0, T_Q4_0)
+PANEL_FNS(q4_1, T_Q4_1)
+PANEL_FNS(q5_0, T_Q5_0)
+PANEL_FNS(q5_1, T_Q5_1)
+PANEL_FNS(q8_0, T_Q8_0)
+PANEL_FNS(q4_k, T_Q4_K)
+PANEL_FNS(q5_k, T_Q5_K)
+PANEL_FNS(q6_k, T_Q6_K)
+
+static PanelFn panel_fn(int type, int tile) {
+#define PICK(NAME)                                                                                                 \
+    {                                                                                                              \
+        const PanelFn fns[TILE_MAX] = {NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7,      \
+                                       NAME##_8};                                                                  \
+        return fns[tile - 1];                                                                                      \
+    }
+    switch (type) {
+    case T_Q4_0: PICK(q4_0);
+    case T_Q4_1: PICK(q4_1);
+    case T_Q5_0: PICK(q5_0);
+    case T_Q5_1: PICK(q5_1);
+    case T_Q8_0: PICK(q8_0);
+    case T_Q4_K: PICK(q4_k);
+    case T_Q5_K: PICK(q5_k);
+    default: PICK(q6_k);
+    }
+#undef PICK
+}
+
+/* out[t * out_stride + j] = W[j] . x[t] (+ bias[j]) for the outputs j of `parts` stacked tensors (a fused
+ * projection), part p's rows[p] outputs packed by gguf_panels_pack at packed[p] (type types[p]).
+ * xq/xd/xs: quantize_groups' outputs for x [tokens, k] (xs = 128 * each group's sum of levels). */
+void gguf_panels_matmul(int64_t parts, const int *types, const uint8_t *const *packed, const int64_t *rows,
+                        int64_t k, const int8_t *xq, const float *xd, const int32_t *xs, int64_t tokens,
+                        const float *bias, float *out, int64_t out_stride) {
+    const int64_t groups = k / 32;
+    int64_t panels = 0;
+    for (int64_t p = 0; p < parts; p++) panels += (rows[p] + PANEL - 1) / PANEL;
+    // each panel: its type, its first output, the end of its tensor's outputs, its bytes
+    int64_t *panel_type = malloc(sizeof(int64_t) * (size_t)panels * 3);
+    int64_t *panel_out = panel_type + panels, *panel_end = panel_out + panels;
+    const uint8_t **panel_data = malloc(sizeof(uint8_t *) * (size_t)panels);
+    int q6k = 0;
+    for (int64_t p = 0, i = 0, first = 0; p < parts; first += rows[p], p++) {
+        q6k |= types[p] == T_Q6_K;
+        for (int64_t local = 0; local < (rows[p] + PANEL - 1) / PANEL; local++, i++) {
+            panel_type[i] = types[p];
+            panel_out[i] = first + PANEL * local;
+            panel_end[i] = first + rows[p];
+            panel_data[i] = packed[p] + local * gguf_panel_bytes(types[p], k);
+        }
+    }
+    int32_t *sum = malloc(sizeof(int32_t) * (size_t)(tokens * groups));
+    float *sum_f = malloc(sizeof(float) * (size_t)(tokens * groups));
+    int32_t *sum16 = malloc(sizeof(int32_t) * (size_t)(q6k ? tokens * 2 * groups : 1));
+    for (int64_t i = 0; i < tokens * groups; i++) sum[i] = xs[i] / 128, sum_f[i] = xd[i] * (float)sum[i];
+    for (int64_t i = 0; q6k && i < tokens * 2 * groups; i++) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; j++) s += xq[16 * i + j];
+        sum16[i] = s;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < panels; i++) {
+        const int64_t first = panel_out[i], left = panel_end[i] - first;
+        const __mmask16 mask = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+        for (int64_t t = 0; t < tokens;) {
+            // up to 8 tokens per weight pass, in tiles of near-equal size (as int8_linear_grouped)
+            const int64_t tiles_left = (tokens - t + TILE_MAX - 1) / TILE_MAX;
+            const int step = (int)((tokens - t + tiles_left - 1) / tiles_left);
+            Token x[TILE_MAX];
+            for (int u = 0; u < step; u++)
+                x[u] = (Token){xq + (t + u) * k, xd + (t + u) * groups, sum_f + (t + u) * groups,
+                               sum + (t + u) * groups, sum16 + (q6k ? (t + u) * 2 * groups : 0)};
+            __m512 y[TILE_MAX];
+            panel_fn((int)panel_type[i], step)(panel_data[i], k, x, y);
+            for (int u = 0; u < step; u++)
+                _mm512_mask_storeu_ps(out + (t + u) * out_stride + first, mask,
+                                      bias ? _mm512_add_ps(y[u], bv) : y[u]);
+            t += step;
+        }
+    }
+    free(sum16);
+    free(sum_f);
+    free(sum);
+    free(panel_data);
+    free(panel_type);
+}
+#else
+int gguf_panels_available(void) { return 0; }
+
+void gguf_panels_matmul(int64_t parts, const int *types, const uint8_t *const *packed, const int64_t *rows,
+                        int64_t k, const int8_t *xq, const float *xd, const int32_t *xs, int64_t tokens,
+                        const float *bias, float *out, int64_t out_stride) {
+    (void)parts, (void)types, (void)packed, (void)rows, (void)k, (void)xq, (void)xd, (void)xs, (void)tokens,
+        (void)bias, (void)out, (void)out_stride;
+}
+#endif
