@@ -361,20 +361,20 @@ class GGUFMatmulPlan:
             raise ValueError("these GGUF tensors cannot be repacked into panels on this host")
         self.panels = packable if panels is None else panels
         self.cols, self.outputs = cols, sum(rows for _, _, rows, _ in parts)
+        self.packed: list[np.ndarray] = []  # the panels (repacked plans)
+        self._keep: list[tuple[np.ndarray, torch.Tensor | None]] = []  # the file's arrays (in-place plans)
         if self.panels:
             fns = _gguf_panel_fns()
             assert fns is not None
-            arrays = []
             for data, tensor_type, rows, order in parts:
                 packed = np.empty(-(-rows // 16) * _panel_bytes(tensor_type, cols), dtype=np.uint8)
                 fns[2](tensor_type, data.ctypes.data, rows, cols, None if order is None else order.data_ptr(),
                        packed.ctypes.data)
-                arrays.append(packed)
-            self._keep: list[object] = arrays
-            addresses = [int(a.ctypes.data) for a in arrays]
+                self.packed.append(packed)
+            addresses = [int(a.ctypes.data) for a in self.packed]
             row_index = [0] * count
         else:
-            self._keep = [(data, order) for data, _, _, order in parts]  # the arrays the addresses point into
+            self._keep = [(data, order) for data, _, _, order in parts]
             addresses = [int(d.ctypes.data) for d, _, _, _ in parts]
             row_index = [0 if o is None else o.data_ptr() for _, _, _, o in parts]
         self.types = (ctypes.c_int * count)(*(t for _, t, _, _ in parts))
@@ -386,7 +386,7 @@ class GGUFMatmulPlan:
     @property
     def nbytes(self) -> int:
         """Bytes of the panels this plan holds (0 where it reads the file's blocks in place)."""
-        return sum(a.nbytes for a in self._keep if isinstance(a, np.ndarray)) if self.panels else 0
+        return sum(a.nbytes for a in self.packed)
 
 
 def gguf_matmul(x: torch.Tensor, plan: GGUFMatmulPlan, bias: torch.Tensor | None = None) -> torch.Tensor:
