@@ -188,8 +188,12 @@ def model_section(path: str, modes: list[str], runs: int, omp_wait_policy: str |
             results["llama.cpp"] = model_runs(url, tokenizer, runs)
     peer = results.get("llama.cpp")
     rows: list[list[object]] = []
+    from tokenmill.model.quant import resolve_quantization
+
     for name, r in results.items():
-        streamed = per_token["int8" if name == "tokenmill -q auto" else "stored"]
+        mode = name.removeprefix("tokenmill -q ")  # the server resolves `auto` as this does
+        streamed = per_token["int8" if mode != name and resolve_quantization(mode, "cpu", True) == "int8"
+                             else "stored"]
         gbs = statistics.median(r["single"]) * streamed / 1e9
         rows.append([name, spread(r["single"]), f"{gbs:.1f} ({gbs / bandwidth:.0%})", spread(r["prompt512"], 0),
                      spread(r["prompt2048"], 0), *[mixed_cell(r[f"mixed{c}"]) for c in (16, 32)]])
@@ -203,7 +207,8 @@ def model_section(path: str, modes: list[str], runs: int, omp_wait_policy: str |
     return [f"### {Path(path).name} ({os.path.getsize(path) / 1e9:.2f} GB)", "",
             f"Memory {bandwidth:.1f} GB/s (copy, measured in this run). Weight bytes a decode step reads: "
             f"{per_token['stored'] / 1e9:.2f} GB as the file stores them (llama.cpp, `-q gguf`), "
-            f"{per_token['int8'] / 1e9:.2f} GB as int8 rows (`-q auto` here). Single stream: 256 tokens after a "
+            f"{per_token['int8'] / 1e9:.2f} GB as int8 rows (`-q int8`; `-q auto` is "
+            f"`{resolve_quantization('auto', 'cpu', True)}` here). Single stream: 256 tokens after a "
             "32-token prompt, EOS ignored, median (min-max) of 3 fresh prompts; the next column is those bytes x "
             "tok/s (share of the copy bandwidth). Prompt tok/s: one request alone, prompt / TTFT, median of 3. "
             "`mixed` (prompts 32-512, outputs 8-512) with all requests at once: total tok/s / TTFT p50 s / ITL p50 ms.",

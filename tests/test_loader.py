@@ -293,3 +293,39 @@ def test_int8_layers_from_blocks_equal_int8_from_float32(model_path: str) -> Non
     for name, a, b in pairs:
         assert torch.equal(a.scale, b.scale) and torch.equal(a.qweight, b.qweight), name
         assert (a.packed is None) == (b.packed is None) and (a.packed is None or torch.equal(a.packed, b.packed))
+
+
+def _resident_bytes_of_mapping(address: int) -> int:
+    """Rss of the mapping of this process that contains `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds that address")
+
+
+def test_repacked_gguf_weights_drop_the_files_pages() -> None:
+    """--quantization gguf on a panel-kernel host: every projection's blocks are repacked (about the file's
+    bytes, not int8's), and the file's own pages are no longer resident once the model is built, so the weights
+    are in memory once, not twice."""
+    from tokenmill import kernels
+    from tokenmill.model.gguf_linear import GGUFLinear
+
+    if not kernels.gguf_panels_available():
+        pytest.skip("no AVX512-VNNI: GGUF blocks are read in place from the file's pages")
+    loaded = load_model(None)
+    assert loaded.gguf_reader is not None
+    file_map = loaded.gguf_reader._map
+    runner = ModelRunner(EngineConfig(num_kv_blocks=8, quantization="gguf"), loaded.config, loaded.weights)
+    plans = [m.plan for m in runner.model.modules() if isinstance(m, GGUFLinear) and m.plan is not None]
+    assert plans and all(plan.panels for plan in plans)
+    packed = sum(plan.nbytes for plan in plans)
+    stored = sum(part.data.nbytes for m in runner.model.modules() if isinstance(m, GGUFLinear) for part, _ in m.parts)
+    assert stored <= packed <= 1.03 * stored  # the file's bits, interleaved: within 3% of its bytes
+    resident = _resident_bytes_of_mapping(int(file_map.ctypes.data))
+    assert resident < 0.1 * file_map.nbytes, f"{resident} of {file_map.nbytes} file bytes still resident"
