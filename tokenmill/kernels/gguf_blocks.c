@@ -191,6 +191,21 @@ static void decode_row(int type, const uint8_t *row, int64_t cols, float *out) {
     for (int64_t k = 0; k < cols / values; k++) decode_block(type, row + k * bytes, out + k * values);
 }
 
+/* the formats gguf_matmul.c and gguf_panels.c multiply as stored */
+static int gguf_executable_type(int type) {
+    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
+           type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+}
+
+/* each half group's sum of activation levels (xq [n * 16] -> out [n]): Q6_K's -32 offset, its scales per 16 */
+static void half_group_sums(const int8_t *xq, int64_t n, int32_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; j++) sum += xq[16 * i + j];
+        out[i] = sum;
+    }
+}
+
 /* bytes of one row of `cols` values; 0: not decodable here (an unknown type, or cols not whole blocks) */
 int64_t gguf_row_bytes(int type, int64_t cols) {
     int64_t values, bytes;

@@ -194,10 +194,7 @@ static void dot_row_tile(int type, const uint8_t *w, int64_t k, const Activation
     dot_row(type, w, k, x, y, TILE);
 }
 
-int gguf_matmul_supports(int type) {
-    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
-           type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
-}
+int gguf_matmul_supports(int type) { return gguf_executable_type(type); }
 
 /* out[t * out_stride + j] = W[row(j)] . x[t] (+ bias[j]) for the outputs j of `parts` stacked tensors (a fused
  * projection: q, k, v): part p has rows[p] outputs, its blocks of `types[p]` at weights[p] (rows of k values,
@@ -213,11 +210,7 @@ void gguf_matmul(int64_t parts, const int *types, const uint8_t *const *weights,
     int q6k = 0;  // only Q6_K reads the half-group sums
     for (int64_t p = 0; p < parts; p++) q6k |= types[p] == T_Q6_K;
     int32_t *sums16 = malloc(sizeof(int32_t) * (size_t)(tokens * 2 * groups));
-    for (int64_t i = 0; q6k && i < tokens * 2 * groups; i++) {
-        int32_t sum = 0;
-        for (int j = 0; j < 16; j++) sum += xq[16 * i + j];
-        sums16[i] = sum;
-    }
+    if (q6k) half_group_sums(xq, tokens * 2 * groups, sums16);
     int64_t *row_bytes = malloc(sizeof(int64_t) * (size_t)parts);
     for (int64_t p = 0; p < parts; p++) row_bytes[p] = gguf_row_bytes(types[p], k);
 #pragma omp parallel for schedule(static)

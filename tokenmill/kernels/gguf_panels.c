@@ -48,10 +48,7 @@ static int64_t group_bytes(int type) { return (nibble_format(type) ? 256 : 512) 
 
 static int64_t header_bytes(int type) { return type == T_Q6_K ? 32 : k_quant(type) ? 64 : 0; }
 
-int gguf_panels_supports(int type) {
-    return type == T_Q8_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
-           type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
-}
+int gguf_panels_supports(int type) { return gguf_executable_type(type); }
 
 /* bytes of one panel of 16 rows of k values (0: not packed here) */
 int64_t gguf_panel_bytes(int type, int64_t k) {
@@ -274,7 +271,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int type, con
         if (k_quant(type) && g % 8 == 0) {
             dv = half16(p);
             if (type != T_Q6_K) dminv = half16(p + 32);
-            p += type == T_Q6_K ? 32 : 64;
+            p += header_bytes(type);
         }
         // two int32 chains per token (acc_b: the high nibbles, Q8_0's odd vectors, Q6_K's second 16 k), so the
         // dependent vpdpbusd chain of a group is 4 long, not 8
@@ -288,16 +285,9 @@ static inline __attribute__((always_inline)) void panel_tile(const int type, con
                 acc_b[u] = _mm512_setzero_si512();
             }
         }
-        _mm_prefetch((const char *)(p + PREFETCH_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 128), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 192), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 256), _MM_HINT_T0);
-        _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 320), _MM_HINT_T0);
+        for (int64_t line = 0; line < group_bytes(type); line += 64)
+            _mm_prefetch((const char *)(p + PREFETCH_AHEAD + line), _MM_HINT_T0);
         if (type == T_Q8_0) {
-            _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 384), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 448), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + PREFETCH_AHEAD + 512), _MM_HINT_T0);
             for (int v = 0; v < 8; v++) {
                 const __m512i w = _mm512_loadu_si512(p + 64 * v);
                 for (int u = 0; u < tile; u++) {
@@ -418,23 +408,20 @@ void gguf_panels_matmul(int64_t parts, const int *types, const uint8_t *const *p
     const uint8_t **panel_data = malloc(sizeof(uint8_t *) * (size_t)panels);
     int q6k = 0;
     for (int64_t p = 0, i = 0, first = 0; p < parts; first += rows[p], p++) {
+        const int64_t bytes = gguf_panel_bytes(types[p], k);
         q6k |= types[p] == T_Q6_K;
         for (int64_t local = 0; local < (rows[p] + PANEL - 1) / PANEL; local++, i++) {
             panel_type[i] = types[p];
             panel_out[i] = first + PANEL * local;
             panel_end[i] = first + rows[p];
-            panel_data[i] = packed[p] + local * gguf_panel_bytes(types[p], k);
+            panel_data[i] = packed[p] + local * bytes;
         }
     }
     int32_t *sum = malloc(sizeof(int32_t) * (size_t)(tokens * groups));
     float *sum_f = malloc(sizeof(float) * (size_t)(tokens * groups));
     int32_t *sum16 = malloc(sizeof(int32_t) * (size_t)(q6k ? tokens * 2 * groups : 1));
     for (int64_t i = 0; i < tokens * groups; i++) sum[i] = xs[i] / 128, sum_f[i] = xd[i] * (float)sum[i];
-    for (int64_t i = 0; q6k && i < tokens * 2 * groups; i++) {
-        int32_t s = 0;
-        for (int j = 0; j < 16; j++) s += xq[16 * i + j];
-        sum16[i] = s;
-    }
+    if (q6k) half_group_sums(xq, tokens * 2 * groups, sum16);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < panels; i++) {
         const int64_t first = panel_out[i], left = panel_end[i] - first;

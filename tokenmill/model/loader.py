@@ -51,14 +51,12 @@ class LazyWeights(Mapping[str, torch.Tensor]):
 
     def __init__(self, readers: dict[str, Callable[[], torch.Tensor]],
                  blocks: dict[str, StoredBlocks] | None = None,
-                 stored: dict[str, StoredEmbedding] | None = None,
-                 release: Callable[[str], None] | None = None) -> None:
-        """`blocks`: the tensors the native decoder reads from a GGUF's map; `stored`: the embedding tables
-        looked up there; `release(name)`: drop a converted tensor's file pages."""
+                 stored: dict[str, StoredEmbedding] | None = None) -> None:
+        """`blocks`: the tensors the native decoder reads from a GGUF's map (each can drop its file pages once
+        converted); `stored`: the embedding tables looked up there."""
         self._readers = readers
         self._blocks = blocks or {}
         self._stored = stored or {}
-        self._release = release
 
     def stored_embedding(self, name: str) -> StoredEmbedding | None:
         """The [rows, cols] tensor as a lookup table over the file's own bytes, where the file allows."""
@@ -77,8 +75,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         if trim is not None:
             trim(0)
         q, scale = kernels.gguf_to_int8_rows(blocks.data, blocks.tensor_type, blocks.rows, blocks.cols)
-        if self._release is not None and name not in self._stored:  # an embedding table is read on
-            self._release(name)
+        if blocks.release is not None and name not in self._stored:  # an embedding table is read on
+            blocks.release()
         order = blocks.row_order
         return (q, scale) if order is None else (q[order], scale[order])
 
@@ -174,14 +172,13 @@ def _load_gguf(reader: GGUFFile, config: ModelConfig, family: Family) -> LazyWei
         return read
 
     readers: dict[str, Callable[[], torch.Tensor]] = {}
-    tensors: dict[str, GGUFTensor] = {}
     stored: dict[str, StoredEmbedding] = {}
     blocks: dict[str, StoredBlocks] = {}
     for tensor in reader.tensors:
         if tensor.name in families.GGUF_CONFIG_TENSORS:
             continue
         name = families.hf_tensor_name(tensor.name, family)
-        readers[name], tensors[name] = reader_of(tensor, name), tensor
+        readers[name] = reader_of(tensor, name)
         if len(tensor.shape) == 2 and _natively_decodable(tensor):
             rows, cols = _shape(tensor)
             order = rows_in_hf_order(torch.arange(rows), name)
@@ -190,7 +187,7 @@ def _load_gguf(reader: GGUFFile, config: ModelConfig, family: Family) -> LazyWei
                                         functools.partial(reader.release, tensor))
             if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
                 stored[name] = StoredEmbedding(blocks[name])
-    return LazyWeights(readers, blocks, stored, lambda name: reader.release(tensors[name]))
+    return LazyWeights(readers, blocks, stored)
 
 
 # ---------------------------------------------------------------- HF directory
