@@ -1,21 +1,22 @@
-"""Start to ready and peak memory per model file: `tokenmill serve MODEL` against llama.cpp's `llama-server` on
-the same file, each started alone, one after the other, in one run.
+"""Start to ready and peak memory per model file: `tokenmill serve MODEL` against llama.cpp's `llama-server` on the
+same file, each started alone, one after the other, in one run.
 
 Ready: from the process's start until `/v1/models` answers and a first 8-token completion has come back (what a
-client waits for). Peak memory: the largest resident set of the server's whole process tree (front end, engine
-core and tokenmill's fork server), sampled every 20 ms until then, summed two ways: RSS (a page shared by two
-processes, such as torch's libraries or the model file's mapped pages, counts twice) and PSS (each shared page
-split between the processes that map it: what the tree costs the machine). KV pools: tokenmill's default 1 GB
-(mapped, its pages resident as tokens fill them); llama-server 16 slots x 4,096 tokens
+client waits for). Peak memory: the largest resident set of the server's whole process tree (front end, engine core
+and tokenmill's fork server), sampled every 20 ms until then (PSS every 200 ms and at the end), summed two ways: RSS
+(a page shared by two processes, such as torch's libraries or the model file's mapped pages, counts twice) and PSS
+(each shared page split between the processes that map it: what the tree costs the machine). KV pools: tokenmill's
+default 1 GB (mapped, its pages resident as tokens fill them); llama-server 16 slots x 4,096 tokens
 (`../shared/peers/llamacpp.sh`'s defaults). Models: the bundled SmolLM2 and every file that `python -m
-tests.real_models` fetched. `python benchmarks/bench_load.py` prints the table and writes the "load"
-section of docs/BENCHMARKS.md.
+tests.real_models` fetched. `python benchmarks/bench_load.py` prints the table and writes the "load" section of
+docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import subprocess
@@ -39,13 +40,21 @@ LLAMA_SERVER = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
 TOKENMILL_MODES = ("auto", "gguf")
 
 
-def tree_memory(proc: psutil.Process) -> tuple[int, int]:
-    """(RSS, PSS) bytes summed over the process and its descendants."""
+# Reading PSS walks every mapping of every process (~5 ms of CPU for tokenmill's tree here): sampled every 20 ms
+# it would take a quarter of a core from the server being timed, so PSS is read every 10th sample and at the end.
+PSS_EVERY = 10
+
+
+def tree_memory(proc: psutil.Process, with_pss: bool) -> tuple[int, int]:
+    """(RSS, PSS) bytes summed over the process and its descendants (PSS 0 unless asked for)."""
     rss = pss = 0
     for p in [proc, *proc.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # a child that just exited
-            info = p.memory_full_info()
-            rss, pss = rss + info.rss, pss + info.pss
+            if with_pss:
+                info = p.memory_full_info()
+                rss, pss = rss + info.rss, pss + info.pss
+            else:
+                rss += p.memory_info().rss
     return rss, pss
 
 
@@ -56,8 +65,8 @@ def start_to_ready(command: list[str], url: str, model_id: str | None) -> tuple[
     ps = psutil.Process(proc.pid)
     peak_rss = peak_pss = 0
     try:
-        while True:
-            rss, pss = tree_memory(ps)
+        for sample in itertools.count():
+            rss, pss = tree_memory(ps, with_pss=sample % PSS_EVERY == 0)
             peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
             if proc.poll() is not None:
                 raise RuntimeError(f"{command[0]} exited with {proc.returncode}")
@@ -72,8 +81,9 @@ def start_to_ready(command: list[str], url: str, model_id: str | None) -> tuple[
             except httpx.HTTPError:
                 pass
             time.sleep(0.02)
-        rss, pss = tree_memory(ps)
-        return time.perf_counter() - start, max(peak_rss, rss) / 1e9, max(peak_pss, pss) / 1e9
+        ready = time.perf_counter() - start
+        rss, pss = tree_memory(ps, with_pss=True)
+        return ready, max(peak_rss, rss) / 1e9, max(peak_pss, pss) / 1e9
     finally:
         proc.terminate()
         proc.wait(timeout=60)

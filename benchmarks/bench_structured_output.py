@@ -119,7 +119,7 @@ def step_rows(engine: LLMEngine, tokenizer: Tokenizer, batches: list[int], max_t
 
 
 def compile_rows(tokenizer: Tokenizer, vocab_size: int, eos: tuple[int, ...]) -> tuple[float, list[list[object]]]:
-    manager = StructuredOutputManager(tokenizer.backend, vocab_size, eos)
+    manager = StructuredOutputManager(lambda: (tokenizer.backend, eos), vocab_size)
     start = time.perf_counter()
     manager.start(StructuredOutputsParams(regex="a")).pending.result()  # builds the token index once
     tokenizer_s = time.perf_counter() - start

@@ -15,7 +15,8 @@ import torch
 from tests.engine_utils import run_engine as run
 from tokenmill import kernels
 from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.llm_engine import LLMEngine, engine_core_from_config
+from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.bitmask import allocate_bitmask, apply_bitmask
@@ -236,6 +237,28 @@ def test_grammars_compile_once_and_off_the_step_loop(loaded_model, tokenizer) ->
     for request_id in (first, second):
         jsonschema.validate(json.loads(texts[request_id]), schema)
     assert len(compiled) == 1  # the second request reused the first one's compilation
+
+
+def test_an_engine_core_reads_its_tokenizer_only_for_its_first_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a core process's front end tokenizes: the core's own tokenizer is read at the first grammar, not at start
+    reads: list[str] = []
+    real_from_path = Tokenizer.from_path
+
+    def counted(*args, **kwargs) -> Tokenizer:  # noqa: ANN002, ANN003
+        reads.append(str(args[0]))
+        return real_from_path(*args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "from_path", counted)
+    core = engine_core_from_config(EngineConfig(quantization="none"))
+    assert reads == []
+    grammars = core.scheduler.grammars
+    assert grammars.manager is not None
+    first = grammars.manager.start(StructuredOutputsParams(choice=["yes", "no"]))
+    first.pending.result(timeout=60)
+    second = grammars.manager.start(StructuredOutputsParams(regex="[0-9]+"))
+    second.pending.result(timeout=60)
+    assert len(reads) == 1 and first.ready and second.ready and first.grammar and second.grammar
+    assert first.failure is None and second.failure is None
 
 
 def test_walking_proposals_leaves_the_grammar_where_it_was(engine: LLMEngine) -> None:

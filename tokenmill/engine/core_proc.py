@@ -70,23 +70,21 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
     reports.connect(options.output_address)
     parent = os.getppid()
     try:
-        from tokenmill.engine.llm_engine import LLMEngine
+        from tokenmill.engine.llm_engine import engine_core_from_config
 
-        engine = LLMEngine.from_config(config)
-        engine.structured_output.warm_up()
+        core = engine_core_from_config(config)
     except Exception as exc:  # the front end reports it and gives up on this replica
         logging.getLogger("tokenmill.engine").exception("engine core %d failed to start", options.index)
         reports.send_pyobj(CoreDeath(f"failed to start: {exc!r}"))
         reports.close(linger=2000)
         return
-    core = engine.core
-    # Everything built so far (weights' metadata, the block pool, tokenizer tables) lives as long as the process:
+    # Everything built so far (weights' metadata, the block pool) lives as long as the process:
     # out of the collector's sight, a full collection no longer walks it (measured here: 80-200 ms pauses of the
     # engine loop without this, as vLLM found).
     gc.collect()
     gc.freeze()
     reports.send_pyobj(CoreInfo(core.kv.num_blocks, core.kv.block_size,
-                                int(getattr(core.executor, "kv_cache_bytes", 0)), engine.max_model_len,
+                                int(getattr(core.executor, "kv_cache_bytes", 0)), core.scheduler.max_model_len,
                                 start_seconds=time.monotonic() - started, rss_bytes=_rss_bytes(), cpus=options.cpus))
 
     def receive(block: bool) -> list[Command] | None:

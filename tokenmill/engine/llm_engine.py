@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.processor import InputProcessor, PromptType, model_limits
+from tokenmill.engine.processor import InputProcessor, PromptType, max_model_len_of, model_limits
 from tokenmill.executor.model_runner import Executor, ModelRunner
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.loader import LoadedModel, load_model
@@ -29,11 +32,9 @@ class LLMEngine:
                  clock: Callable[[], float] = time.monotonic,
                  cache_salt_of: Callable[[int], int] | None = None, model_config: ModelConfig | None = None) -> None:
         self.config = config
-        self.structured_output = StructuredOutputManager(tokenizer.backend, vocab_size, eos_token_ids)
-        parser = reasoning_parser(config.reasoning_parser)
-        reasoning_tags = None if parser is None else (tokenizer.encode(parser.start, add_special_tokens=False),
-                                                      tokenizer.encode(parser.end, add_special_tokens=False))
-        self.core = EngineCore(config, executor, max_model_len, clock, self.structured_output, reasoning_tags)
+        self.structured_output = StructuredOutputManager(lambda: (tokenizer.backend, eos_token_ids), vocab_size)
+        self.core = EngineCore(config, executor, max_model_len, clock, self.structured_output,
+                               reasoning_tags(config, lambda: tokenizer))
         self.output_processor = OutputProcessor(tokenizer)
         self.processor = InputProcessor(config, tokenizer, max_model_len, eos_token_ids, vocab_size,
                                         self.core.kv.num_blocks * self.core.kv.block_size, self.structured_output,
@@ -61,13 +62,7 @@ class LLMEngine:
         max_model_len, eos = model_limits(loaded.config, tokenizer, config)
         engine = cls(config, tokenizer, runner, max_model_len, eos, loaded.config.vocab_size,
                      cache_salt_of=loaded.config.rope_cache_key, model_config=loaded.config)
-        token_budget = engine.core.scheduler.token_budget
-        if token_budget is not None and config.step_cost_profile is not None:
-            from tokenmill.sim.cost_model import chunks_seconds
-            from tokenmill.sim.specs import HardwareProfile, spec_of
-
-            profile, spec = HardwareProfile.load(config.step_cost_profile), spec_of(loaded.config)
-            token_budget.warm_start(lambda chunks: chunks_seconds(chunks, spec, profile))
+        _warm_start_token_budget(engine.core, config, loaded.config)
         return engine
 
     @property
@@ -133,3 +128,43 @@ class LLMEngine:
         if stopped:
             self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+
+def engine_core_from_config(config: EngineConfig) -> EngineCore:
+    """The engine core alone, for an engine-core process (its front end tokenizes and detokenizes). The core
+    reads its tokenizer only when it needs it: now for a reasoning parser's tags, otherwise at the first grammar
+    compile or warm-up. Reading it holds the GIL (0.3 s for a 151k vocabulary), which the weights' load, in the
+    same process, would wait for."""
+    loaded = load_model(config.model)
+    runner = ModelRunner(config, loaded.config, loaded.weights)
+    model = loaded.config
+    tokenizer = functools.cache(functools.partial(Tokenizer.from_path, loaded.path, loaded.gguf_reader,
+                                                  config.chat_template))
+
+    def vocabulary() -> tuple[HFTokenizer, tuple[int, ...]]:
+        return tokenizer().backend, model_limits(model, tokenizer(), config)[1]
+
+    core = EngineCore(config, runner, max_model_len_of(model, config), time.monotonic,
+                      StructuredOutputManager(vocabulary, model.vocab_size), reasoning_tags(config, tokenizer))
+    _warm_start_token_budget(core, config, model)
+    return core
+
+
+def reasoning_tags(config: EngineConfig, tokenizer: Callable[[], Tokenizer]) -> tuple[list[int], list[int]] | None:
+    """The token ids of the configured reasoning parser's start and end tags; None without a parser."""
+    parser = reasoning_parser(config.reasoning_parser)
+    if parser is None:
+        return None
+    return (tokenizer().encode(parser.start, add_special_tokens=False),
+            tokenizer().encode(parser.end, add_special_tokens=False))
+
+
+def _warm_start_token_budget(core: EngineCore, config: EngineConfig, model: ModelConfig) -> None:
+    """Seed the self-setting token budget's step-cost predictor from a calibrated profile, if one is given."""
+    token_budget = core.scheduler.token_budget
+    if token_budget is not None and config.step_cost_profile is not None:
+        from tokenmill.sim.cost_model import chunks_seconds
+        from tokenmill.sim.specs import HardwareProfile, spec_of
+
+        profile, spec = HardwareProfile.load(config.step_cost_profile), spec_of(model)
+        token_budget.warm_start(lambda chunks: chunks_seconds(chunks, spec, profile))

@@ -26,11 +26,15 @@ PromptType = str | Sequence[int] | dict[str, Any]
 def model_limits(model: ModelConfig, tokenizer: Tokenizer, config: EngineConfig) -> tuple[int, tuple[int, ...]]:
     """(max_model_len, EOS token ids) for a model: the configured length capped by the model's, and every id the
     model config or the tokenizer names as end of sequence."""
-    model_len = model.max_context_len
     eos = set(model.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    return min(config.max_model_len or model_len, model_len), tuple(sorted(eos))
+    return max_model_len_of(model, config), tuple(sorted(eos))
+
+
+def max_model_len_of(model: ModelConfig, config: EngineConfig) -> int:
+    """The configured length capped by the model's."""
+    return min(config.max_model_len or model.max_context_len, model.max_context_len)
 
 
 class InputProcessor:
@@ -46,8 +50,8 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.kv_capacity_tokens = kv_capacity_tokens  # the smallest replica's KV pool, in tokens
-        self.structured_output = structured_output or StructuredOutputManager(tokenizer.backend, vocab_size,
-                                                                              eos_token_ids)
+        self.structured_output = structured_output or StructuredOutputManager(
+            lambda: (tokenizer.backend, eos_token_ids), vocab_size)
         self.clock = clock
         self.cache_salt_of = cache_salt_of  # prompt length -> prefix-cache salt (ModelConfig.rope_cache_key)
 

@@ -487,9 +487,7 @@ def start_front_end(config: EngineConfig, options: ServerOptions, log_level: str
     # with engine-core processes (the default) this process never imports the engine, nor torch.
     from tokenmill.engine.llm_engine import LLMEngine
 
-    engine = in_passing_thread(lambda: LLMEngine.from_config(config))
-    engine.structured_output.warm_up()
-    return AsyncLLM.from_engine(engine)
+    return AsyncLLM.from_engine(in_passing_thread(lambda: LLMEngine.from_config(config)))
 
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
