@@ -106,15 +106,22 @@ def llamacpp_server(model: str | None = None) -> Iterator[str | None]:
         proc.wait(timeout=30)
 
 
-def serve_runs(url: str, model: str, tokenizer: Tokenizer, repeats: int = 3) -> dict[str, Any]:
-    """Single stream (median of `repeats`, a fresh prompt each time, so neither server's prompt cache answers a
-    repeat) and 32 mixed requests at once, through the same load generator."""
-    asyncio.run(run_load(url, model, workloads.random_lengths(tokenizer, 1, 32, 16, seed=9)))  # warm-up
-    singles = []
+def single_streams(url: str, model: str, tokenizer: Tokenizer, repeats: int) -> list[float]:
+    """Output tok/s of one stream of 256 tokens after a 32-token prompt, `repeats` times with a fresh prompt each
+    (neither server's prompt cache answers a repeat), after one short warm-up request."""
+    asyncio.run(run_load(url, model, workloads.random_lengths(tokenizer, 1, 32, 16, seed=9)))
+    rates = []
     for repeat in range(repeats):
         items = workloads.random_lengths(tokenizer, 1, input_len=32, output_len=256, seed=100 + repeat)
         results, duration = asyncio.run(run_load(url, model, items))
-        singles.append(summarize(results, duration)["output_throughput"])
+        rates.append(summarize(results, duration)["output_throughput"])
+    return rates
+
+
+def serve_runs(url: str, model: str, tokenizer: Tokenizer, repeats: int = 3) -> dict[str, Any]:
+    """Single stream (median of `repeats`, a fresh prompt each time, so neither server's prompt cache answers a
+    repeat) and 32 mixed requests at once, through the same load generator."""
+    singles = single_streams(url, model, tokenizer, repeats)
     mixed_items = workloads.mixed(tokenizer, 32, seed=0)
     results, duration = asyncio.run(run_load(url, model, mixed_items))
     # short streams long enough to still be decoding when the long prompt arrives, on a fast engine too
@@ -141,12 +148,7 @@ def prompt_rate(url: str, model: str, tokenizer: Tokenizer, prompt_len: int, rep
 def model_runs(url: str, tokenizer: Tokenizer, repeats: int = 3) -> dict[str, Any]:
     """The rows of issue 25's table for one server on one model file."""
     model = served_model(url)
-    asyncio.run(run_load(url, model, workloads.random_lengths(tokenizer, 1, 32, 16, seed=9)))  # warm-up
-    singles = []
-    for repeat in range(repeats):
-        items = workloads.random_lengths(tokenizer, 1, input_len=32, output_len=256, seed=100 + repeat)
-        results, duration = asyncio.run(run_load(url, model, items))
-        singles.append(summarize(results, duration)["output_throughput"])
+    singles = single_streams(url, model, tokenizer, repeats)
     out: dict[str, Any] = {"single": singles, "prompt512": prompt_rate(url, model, tokenizer, 512, repeats),
                            "prompt2048": prompt_rate(url, model, tokenizer, 2048, repeats)}
     for concurrency in (16, 32):

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -163,39 +164,41 @@ def _serve(args: argparse.Namespace) -> int:
                       log_level=args.log_level)
 
 
+Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+
+def _add_subcommands(parser: argparse.ArgumentParser, dest: str, commands: list[Subcommand]) -> None:
+    """One subparser per (name, help, add its arguments, run it)."""
+    sub = parser.add_subparsers(dest=dest, required=True)
+    for name, help_text, add_args, run in commands:
+        command = sub.add_parser(name, help=help_text)
+        add_args(command)
+        command.set_defaults(func=run)
+
+
 def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from tokenmill.bench import serve_cli, soak, sweep
 
-    bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
-    serve_cli.add_args(bench_serve)
-    bench_serve.set_defaults(func=serve_cli.main)
-    bench_sweep = bench_sub.add_parser("sweep", help="run the serving experiments, write docs/BENCHMARKS.md")
-    sweep.add_args(bench_sweep)
-    bench_sweep.set_defaults(func=sweep.main)
-    bench_soak = bench_sub.add_parser("soak", help="drive a server with thousands of mixed requests, check it holds")
-    soak.add_args(bench_soak)
-    bench_soak.set_defaults(func=soak.main)
+    _add_subcommands(bench, "bench_command", [
+        ("serve", "load-test an OpenAI-compatible server", serve_cli.add_args, serve_cli.main),
+        ("sweep", "run the serving experiments, write docs/BENCHMARKS.md", sweep.add_args, sweep.main),
+        ("soak", "drive a server with thousands of mixed requests, check it holds", soak.add_args, soak.main),
+    ])
 
 
 def _add_sim_commands(sim: argparse.ArgumentParser) -> None:
-    sim_sub = sim.add_subparsers(dest="sim_command", required=True)
+    from tokenmill.sim import calibrate
     from tokenmill.sim import cli as sim_cli
 
-    sim_run = sim_sub.add_parser("run", help="simulate a workload on a model and hardware preset")
-    sim_cli.add_args(sim_run)
-    sim_run.set_defaults(func=sim_cli.main)
-    sim_sweep = sim_sub.add_parser("sweep", help="vary one setting (request rate, batching, token budget, seqs)")
-    sim_cli.add_sweep_args(sim_sweep)
-    sim_sweep.set_defaults(func=sim_cli.sweep_main)
-    sim_capacity = sim_sub.add_parser("capacity", help="replicas needed for a target rate under SLOs")
-    sim_cli.add_capacity_args(sim_capacity)
-    sim_capacity.set_defaults(func=sim_cli.capacity_main)
-    from tokenmill.sim import calibrate
-
-    sim_calibrate = sim_sub.add_parser("calibrate", help="fit this CPU's profile to timed steps of the real engine")
-    calibrate.add_args(sim_calibrate)
-    sim_calibrate.set_defaults(func=calibrate.main)
+    _add_subcommands(sim, "sim_command", [
+        ("run", "simulate a workload on a model and hardware preset", sim_cli.add_args, sim_cli.main),
+        ("sweep", "vary one setting (request rate, batching, token budget, seqs)", sim_cli.add_sweep_args,
+         sim_cli.sweep_main),
+        ("capacity", "replicas needed for a target rate under SLOs", sim_cli.add_capacity_args,
+         sim_cli.capacity_main),
+        ("calibrate", "fit this CPU's profile to timed steps of the real engine", calibrate.add_args,
+         calibrate.main),
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
