@@ -16,20 +16,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_load import LLAMA_SERVER, llamacpp_command  # noqa: E402
+from benchmarks.bench_peers import llamacpp_server  # noqa: E402
 from tests.conftest import CHAT_PROMPTS, PLAIN_PROMPTS  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.report import machine_description, markdown_table, write_section  # noqa: E402
-from tokenmill.bench.server_process import free_port  # noqa: E402
 from tokenmill.model.loader import bundled_model_path  # noqa: E402
 from tokenmill.model.tokenizer import Tokenizer  # noqa: E402
 
@@ -72,16 +69,11 @@ def tokenmill_outputs(path: str, mode: str, prompts: list[list[int]]) -> list[li
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def llamacpp_outputs(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    port = free_port()
-    proc = subprocess.Popen(llamacpp_command(path, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("llama-server did not start")
-            time.sleep(0.1)
+def llamacpp_outputs(path: str, prompts: list[list[int]]) -> list[list[int]] | None:
+    """llama-server's greedy tokens for the prompts (None where llama.cpp is not built)."""
+    with llamacpp_server(path) as url:
+        if url is None:
+            return None
         outputs = []
         for ids in prompts:  # token ids in, as given (no BOS added); greedy; EOS ignored
             reply = httpx.post(url + "/completion", timeout=300, json={
@@ -89,17 +81,6 @@ def llamacpp_outputs(path: str, prompts: list[list[int]]) -> list[list[int]]:
                 "cache_prompt": False, "return_tokens": True}).json()
             outputs.append(list(reply["tokens"]))
         return outputs
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    """llama-server answers /health with 200 once its model is loaded."""
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def score(outputs: list[list[int]], expected: list[list[int]], gaps: list[list[float]]) -> tuple[int, int, float]:
@@ -131,8 +112,9 @@ def main() -> None:
         rows.append([name, f"{faithful}/{len(prompts)}", f"{identical}/{len(prompts)}",
                      f"{prefix:.1f}"])
         print(rows[-1], flush=True)
-    if LLAMA_SERVER.exists():
-        faithful, identical, prefix = score(llamacpp_outputs(path, prompts), expected, gaps)
+    peer = llamacpp_outputs(path, prompts)
+    if peer is not None:
+        faithful, identical, prefix = score(peer, expected, gaps)
         rows.append(["llama.cpp llama-server", f"{faithful}/{len(prompts)}", f"{identical}/{len(prompts)}",
                      f"{prefix:.1f}"])
         print(rows[-1], flush=True)

@@ -132,9 +132,9 @@ class LLMEngine:
 
 def engine_core_from_config(config: EngineConfig) -> EngineCore:
     """The engine core alone, for an engine-core process (its front end tokenizes and detokenizes). The core
-    reads its tokenizer only when it needs it: now for a reasoning parser's tags, otherwise at the first grammar
-    compile or warm-up. Reading it holds the GIL (0.3 s for a 151k vocabulary), which the weights' load, in the
-    same process, would wait for."""
+    reads its tokenizer only when it needs it: now for a reasoning parser's tags, otherwise at its first grammar
+    compile. Reading it holds the GIL (0.3 s for a 151k vocabulary), which the weights' load, in the same
+    process, would wait for."""
     loaded = load_model(config.model)
     runner = ModelRunner(config, loaded.config, loaded.weights)
     model = loaded.config
