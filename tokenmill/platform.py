@@ -3,6 +3,7 @@ them) and the threading rule OpenMP imposes."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import threading
@@ -17,6 +18,22 @@ def cache_root() -> Path:
     """Where built artefacts (kernels, converted tokenizers) are kept: $TOKENMILL_CACHE_DIR or ~/.cache/tokenmill."""
     base = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
     return Path(base)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], object] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_heap() -> None:
+    """Hand the heap's freed pages back to the OS (glibc keeps them): after parsing a large file or converting
+    tensors, the freed temporaries would otherwise stay in the process's resident memory."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @functools.cache

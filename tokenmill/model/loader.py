@@ -11,7 +11,6 @@ layer can take its rows quantized during that decoding (`LazyWeights.int8_rows`)
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -29,18 +28,11 @@ from tokenmill.model.gguf_file import GGUFFile, GGUFTensor
 from tokenmill.model.gguf_linear import StoredBlocks
 from tokenmill.model.metadata import bundled_model_path, gguf_field, read_metadata, resolve_model_path
 from tokenmill.model.stored_embedding import StoredEmbedding
+from tokenmill.platform import release_freed_heap
 
 __all__ = ["LazyWeights", "LoadedModel", "bundled_model_path", "gguf_field", "load_model", "resolve_model_path"]
 
 _DEQUANT_ROWS = 4096
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], object] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
 
 
 Int8Rows = tuple[torch.Tensor, torch.Tensor]  # int8 [rows, cols] and float32 scale [rows] (quant.quantize_rows)
@@ -71,9 +63,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         blocks = self._blocks.get(name)
         if blocks is None:
             return None
-        trim = _malloc_trim()
-        if trim is not None:
-            trim(0)
+        release_freed_heap()
         q, scale = kernels.gguf_to_int8_rows(blocks.data, blocks.tensor_type, blocks.rows, blocks.cols)
         if blocks.release is not None and name not in self._stored:  # an embedding table is read on
             blocks.release()
@@ -83,9 +73,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         # glibc keeps freed float32 tensors in its heap; hand them back before reading the next one, or peak
         # memory at load grows by the fragments of every tensor already converted (~400 MB on SmolLM2).
-        trim = _malloc_trim()
-        if trim is not None:
-            trim(0)
+        release_freed_heap()
         return self._readers[name]()
 
     def __contains__(self, name: object) -> bool:
