@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, kernels
+from tokenmill.config import EngineConfig
 
 VOCAB = 384
 NEW_TOKENS = 12
@@ -133,6 +134,29 @@ def test_int8_speculation_and_structured_outputs_work_for_every_family(family: t
     assert output.text in ("w7w9", "w5w3") and output.finish_reason == "stop", (name, output)
 
 
+@pytest.mark.skipif(not kernels.decoder_stack_available(), reason="no AVX2/AVX512-VNNI: the layers run one by one")
+def test_the_native_decoder_stack_is_bit_identical_to_the_layers_for_every_family(
+        family: tuple[str, Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels/decoder.c runs every family option (QK-norm, sandwich norms, GeGLU, windows, local rope tables,
+    partial rotary) with the kernels the layers call one by one: the same logits to the bit, over a prompt
+    longer than every window."""
+    from tokenmill.executor.model_runner import ModelRunner
+    from tokenmill.model import llama
+    from tokenmill.model.loader import load_model
+
+    name, path, _ = family
+    loaded = load_model(str(path))
+    config = EngineConfig(quantization="int8", kv_cache_dtype="float32", num_kv_blocks=16, block_size=16)
+    prompt = _prompts()[-1]
+    fast = ModelRunner(config, loaded.config, loaded.weights)
+    assert fast.model._stack is not None, f"{name}: the native decoder stack did not engage"
+    logits = fast.prompt_logits(prompt)
+    monkeypatch.setattr(llama.NativeDecoderStack, "supported", staticmethod(lambda model: False))
+    slow = ModelRunner(config, loaded.config, loaded.weights)
+    assert slow.model._stack is None
+    assert torch.equal(slow.prompt_logits(prompt), logits), name
+
+
 def test_family_options_read_from_the_config(family: tuple[str, Path, Any]) -> None:
     """The options that make each family differ reach ModelConfig (a parity pass could not tell which was off
     if the family's quirk happened not to matter)."""
@@ -163,8 +187,9 @@ def test_family_options_read_from_the_config(family: tuple[str, Path, Any]) -> N
         assert config.rope_scaling.rope_type == expected
         if expected == "dynamic":  # NTK scaling serves factor x the trained context
             assert config.max_context_len == 128 and config.rope_cache_key(40) == 40
-    else:
-        assert config.plain_llama
+    else:  # a plain Llama: no family option set
+        assert not (config.qk_norm or config.sandwich_norm or config.hidden_act != "silu" or config.embed_scale
+                    or config.sliding_layers or config.final_logit_softcapping)
 
 
 def test_unsupported_families_and_options_are_named(tmp_path: Path) -> None:

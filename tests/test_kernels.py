@@ -91,16 +91,18 @@ def test_native_sliding_window_attention_matches_the_torch_reference(heads, kv_h
     (9, 3, 64, [(1, 1), (1, 17), (1, 300), (7, 7), (5, 40), (64, 100), (1, 16)]),
     (8, 2, 128, [(3, 3), (1, 200), (40, 90)]),
 ])
+@pytest.mark.parametrize("window", [None, 5, 16, 37])
 def test_native_attention_over_bf16_caches_matches_the_torch_reference(heads, kv_heads, head_dim, seqs,  # noqa: ANN001
-                                                                     monkeypatch) -> None:  # noqa: ANN001
+                                                                     window: int | None, monkeypatch) -> None:  # noqa: ANN001
+    """Full and sliding-window layers (Gemma 3's)."""
     batch = Batch(4, heads, kv_heads, head_dim, 16, seqs, torch.bfloat16)
     meta = batch.meta()
     assert kernels.attention_supported(batch.q, heads, batch.k_cache)
-    native = batch.run(meta, batch.q, batch.k, batch.v)
+    native = batch.run(meta, batch.q, batch.k, batch.v, window)
     monkeypatch.setattr(attention.kernels, "attention_supported", lambda *_: False)
     # the reference reads the new tokens' K/V unrounded where a sequence has no cached context: round them too
     k, v = batch.k.bfloat16().float(), batch.v.bfloat16().float()
-    reference = batch.run(meta, batch.q, k, v)
+    reference = batch.run(meta, batch.q, k, v, window)
     torch.testing.assert_close(native, reference, rtol=2e-5, atol=2e-5)
 
 
@@ -193,8 +195,21 @@ def test_fused_layer_ops_match_the_torch_path() -> None:
 
     gate_up = torch.randn(rows, 2 * 1536) * 3
     gate, up = gate_up.split(1536, -1)
-    torch.testing.assert_close(kernels.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up,
+    torch.testing.assert_close(kernels.gated_activation(gate_up, gelu=False), torch.nn.functional.silu(gate) * up,
                                rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kernels.gated_activation(gate_up, gelu=True),  # GeGLU (Gemma)
+                               torch.nn.functional.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
+
+    # QK-norm in place on the q and k parts of the fused projection (strided rows)
+    weight = torch.rand(head_dim) + 0.5
+    normed = qkv.clone()
+    kernels.rms_norm_heads(normed[:, :heads * head_dim], heads, weight, 1e-6)
+    kernels.rms_norm_heads(normed[:, heads * head_dim:], kv_heads, weight, 1e-6)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].reshape(rows, heads + kv_heads, head_dim)
+    expected = weight * (qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(normed[:, :(heads + kv_heads) * head_dim], expected.reshape(rows, -1),
+                               rtol=1e-6, atol=1e-6)
+    assert torch.equal(normed[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])  # v
 
 
 def _grouped_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,

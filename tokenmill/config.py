@@ -76,11 +76,6 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
 
-    @property
-    def plain_llama(self) -> bool:
-        """No family option set: the shape the native one-call decoder stack implements."""
-        return not (self.qk_norm or self.sandwich_norm or self.hidden_act != "silu" or self.embed_scale
-                    or self.sliding_layers or self.final_logit_softcapping)
 
 
 # ModelConfig.rope_cache_key of a longrope sequence past the original context (its KV rotated with the long

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -161,13 +162,25 @@ def int8_linear_grouped(x: torch.Tensor, packed: torch.Tensor, weight_scale: tor
     return out
 
 
+class _LayerFns(NamedTuple):
+    add_rms_norm: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rope_and_cache: ctypes._CFuncPtr  # type: ignore[name-defined]
+    silu_and_mul: ctypes._CFuncPtr  # type: ignore[name-defined]
+    gelu_tanh_and_mul: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rms_norm_heads: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+
 @functools.cache
-def _layer_fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
-    norm = _function("layer_ops", "add_rms_norm", [_PTR, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64])
-    rope = _function("layer_ops", "rope_and_cache", [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
-                                                      _PTR, _PTR, _PTR, _I64])
-    silu = _function("layer_ops", "silu_and_mul", [_PTR, _I64, _I64, _PTR])
-    return None if norm is None or rope is None or silu is None else (norm, rope, silu)
+def _layer_fns() -> _LayerFns | None:
+    fns = (
+        _function("layer_ops", "add_rms_norm", [_PTR, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64]),
+        _function("layer_ops", "rope_and_cache", [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
+                                                  _PTR, _PTR, _PTR, _I64]),
+        _function("layer_ops", "silu_and_mul", [_PTR, _I64, _I64, _PTR]),
+        _function("layer_ops", "gelu_tanh_and_mul", [_PTR, _I64, _I64, _PTR]),
+        _function("layer_ops", "rms_norm_heads", [_PTR, _I64, _I64, _I64, _I64, _PTR, _F32]),
+    )
+    return None if any(fn is None for fn in fns) else _LayerFns(*fns)
 
 
 def layer_ops_supported(x: torch.Tensor) -> bool:
@@ -183,9 +196,19 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     if delta is not None:
         assert delta.shape == residual.shape and delta.stride(1) == 1
     out = torch.empty_like(residual)
-    fns[0](residual.data_ptr(), None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
-           weight.data_ptr(), eps, out.data_ptr(), rows, cols)
+    fns.add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(),
+                     0 if delta is None else delta.stride(0), weight.data_ptr(), eps, out.data_ptr(), rows, cols)
     return out
+
+
+def rms_norm_heads(x: torch.Tensor, heads: int, weight: torch.Tensor, eps: float) -> None:
+    """QK-norm in place: the first `heads` heads of every row of x [T, >= heads * head_dim] (the q or k part of
+    the fused projection, a view with unit column stride) each through RMSNorm * weight [head_dim]."""
+    fns = _layer_fns()
+    head_dim = weight.shape[0]
+    assert fns is not None and x.dtype == torch.float32 and x.stride(1) == 1 and weight.is_contiguous()
+    assert x.shape[1] >= heads * head_dim
+    fns.rms_norm_heads(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, weight.data_ptr(), eps)
 
 
 def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -199,19 +222,20 @@ def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: to
     assert head_dim <= MAX_HEAD_DIM
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
     q = torch.empty(tokens, num_heads, head_dim)
-    fns[1](qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-           slot_mapping.data_ptr(), k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
-           int(k_cache.dtype == torch.bfloat16))
+    fns.rope_and_cache(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
+                       sin.data_ptr(), slot_mapping.data_ptr(), k_cache.shape[3], k_cache.data_ptr(),
+                       v_cache.data_ptr(), q.data_ptr(), int(k_cache.dtype == torch.bfloat16))
     return q
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [rows, 2n] (gate first, contiguous) -> [rows, n]."""
+def gated_activation(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up for gate_up [rows, 2n] (gate first, contiguous) -> [rows, n]: SiLU (SwiGLU) or, with
+    `gelu`, GELU's tanh approximation (GeGLU)."""
     fns = _layer_fns()
     assert fns is not None and gate_up.is_contiguous()
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, n)
-    fns[2](gate_up.data_ptr(), rows, n, out.data_ptr())
+    (fns.gelu_tanh_and_mul if gelu else fns.silu_and_mul)(gate_up.data_ptr(), rows, n, out.data_ptr())
     return out
 
 
@@ -466,13 +490,12 @@ def bf16_cache_supported(head_dim: int, block_size: int) -> bool:
     return block_size == 16 and head_dim % 64 == 0 and attention_bf16_available()
 
 
-def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tensor,
-                        window: int | None = None) -> bool:
+def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tensor) -> bool:
     """Whether the native kernel takes a float32 CPU `query` of `num_heads` heads over this K cache (shapes
-    within its compiled limits; bf16 caches only on its AVX-512 path, and only without a sliding `window`)."""
+    within its compiled limits; bf16 caches only on its AVX-512 path), with or without a sliding window."""
     num_kv_heads, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if k_cache.dtype == torch.bfloat16:
-        cache_ok = window is None and bf16_cache_supported(head_dim, block_size)
+        cache_ok = bf16_cache_supported(head_dim, block_size)
     else:
         cache_ok = k_cache.dtype == torch.float32
     return (
@@ -490,8 +513,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     Sequence s owns query rows query_start[s]..query_start[s+1] (its last q_len tokens) and has seq_lens[s]
     tokens of context after this step. out, query: [T, heads, head_dim] whose rows are contiguous (row strides
     may differ); caches contiguous in `model.attention.allocate_kv_cache`'s layout; query_start [S+1], seq_lens [S],
-    block_tables [S, max_blocks] int64 contiguous. `window` (sliding-window layers, float32 caches only): a row
-    at position p sees keys p - window + 1 .. p.
+    block_tables [S, max_blocks] int64 contiguous. `window` (sliding-window layers): a row at position p sees
+    keys p - window + 1 .. p.
     """
     fn = _attention_fn()
     assert fn is not None, "check attention_supported() first"
@@ -500,8 +523,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         assert index.dtype == torch.int64 and index.is_contiguous()
     assert query.stride(2) == out.stride(2) == 1 and query.stride(1) == out.stride(1) == query.shape[2]
     heads, head_dim = query.shape[1], query.shape[2]
-    if window is not None and (window < 1 or k_cache.dtype != torch.float32):
-        raise ValueError("windowed native attention needs window >= 1 and float32 caches")
+    if window is not None and window < 1:
+        raise ValueError("windowed native attention needs window >= 1")
     fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), query_start.data_ptr(),
        seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], heads,
        k_cache.shape[1], head_dim, k_cache.shape[3], query.stride(0), out.stride(0), scale,
@@ -528,7 +551,9 @@ class DecoderLayerPointers(ctypes.Structure):
     """One layer's tensors for `decoder_forward` (kernels/decoder.c: DecoderLayer), as raw addresses."""
 
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), *((name, LinearPointers) for name in
-                ("qkv", "o", "gate_up", "down")), ("qkv_bias", _PTR), ("k_cache", _PTR), ("v_cache", _PTR)]
+                ("qkv", "o", "gate_up", "down")), ("qkv_bias", _PTR), ("k_cache", _PTR), ("v_cache", _PTR),
+                ("q_norm", _PTR), ("k_norm", _PTR), ("attn_out_norm", _PTR), ("mlp_out_norm", _PTR),
+                ("window", _I64), ("local_rope", _I64)]
 
 
 @functools.cache
@@ -537,8 +562,8 @@ def _decoder_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     if lib is None or not lib.int8_grouped_available():
         return None
     return _function("decoder", "decoder_forward", [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR,
-                                                    _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64,
-                                                    _F32, _I64, _PTR])
+                                                    _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                                                    _I64, _I64, _F32, _I64, _I64, _PTR])
 
 
 def decoder_stack_available() -> bool:
@@ -553,24 +578,28 @@ def decoder_work_floats(hidden: int, heads: int, kv_heads: int, head_dim: int, i
 
 
 def decoder_forward(layers: ctypes.Array, dims: tuple[int, int, int, int, int], eps: float, residual: torch.Tensor,
-                    work: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                    block_size: int, query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, kv_bf16: bool, lora: LoRABatchPointers | None = None) -> torch.Tensor:
+                    work: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    local_rope: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, block_size: int,
+                    query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    kv_bf16: bool, gelu: bool, lora: LoRABatchPointers | None = None) -> torch.Tensor:
     """Every decoder layer over a flat batch in one call. dims = (hidden, heads, kv_heads, head_dim,
     intermediate); residual [T, hidden] float32: the embeddings in, the residual stream out (in place); work: at
-    least T * decoder_work_floats(...) floats. Returns the last layer's MLP output [T, hidden]."""
+    least T * decoder_work_floats(...) floats; rope and local_rope: (cos, sin) rows [T, head_dim] of the layers
+    without and with `local_rope`; gelu: GeGLU MLPs. Returns the last layer's MLP output [T, hidden]."""
     fn = _decoder_fn()
     hidden, heads, kv_heads, head_dim, intermediate = dims
     tokens = residual.shape[0]
     assert fn is not None and residual.is_contiguous() and residual.dtype == torch.float32
-    assert work.numel() >= tokens * decoder_work_floats(*dims) and cos.is_contiguous() and sin.is_contiguous()
+    assert work.numel() >= tokens * decoder_work_floats(*dims)
+    assert all(table.is_contiguous() and table.shape == (tokens, head_dim) for table in (*rope, *local_rope))
     for index in (slot_mapping, query_start, seq_lens, block_tables):
         assert index.dtype == torch.int64 and index.is_contiguous()
     x_out = torch.empty(tokens, hidden)
     fn(ctypes.addressof(layers), len(layers), tokens, hidden, heads, kv_heads, head_dim, intermediate, eps,
-       residual.data_ptr(), x_out.data_ptr(), work.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
-       block_size, query_start.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0],
-       block_tables.shape[1], scale, int(kv_bf16), None if lora is None else ctypes.addressof(lora))
+       residual.data_ptr(), x_out.data_ptr(), work.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(),
+       local_rope[0].data_ptr(), local_rope[1].data_ptr(), slot_mapping.data_ptr(), block_size,
+       query_start.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1],
+       scale, int(kv_bf16), int(gelu), None if lora is None else ctypes.addressof(lora))
     return x_out
 
 

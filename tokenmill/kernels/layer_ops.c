@@ -9,7 +9,21 @@
 
 #define PARALLEL_MIN_ELEMENTS 65536
 
-// residual += delta (when delta is given); out = weight * (residual * rsqrt(mean(residual^2) + eps))
+// out = weight * (x * rsqrt(mean(x^2) + eps)) for one row (out may be x)
+static inline void rms_norm_row(const float *x, const float *weight, float eps, float *out, int64_t cols) {
+    float part[16] = {0};
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16)
+        for (int i = 0; i < 16; ++i) part[i] += x[c + i] * x[c + i];
+    for (int i = 0; c < cols; ++c, ++i) part[i] += x[c] * x[c];
+    for (int width = 8; width > 0; width /= 2)
+        for (int i = 0; i < width; ++i) part[i] += part[i + width];
+    const float inv = 1.0f / sqrtf(part[0] / (float)cols + eps);
+    for (c = 0; c < cols; ++c) out[c] = weight[c] * (x[c] * inv);
+}
+
+// residual += delta (when delta is given); out = weight * (residual * rsqrt(mean(residual^2) + eps)). Without
+// delta, out may be residual (a norm in place: Gemma's sandwich norms).
 void add_rms_norm(float *residual, const float *delta, int64_t delta_stride, const float *weight, float eps,
                   float *out, int64_t rows, int64_t cols) {
 #pragma omp parallel for if (rows * cols >= PARALLEL_MIN_ELEMENTS)
@@ -17,16 +31,18 @@ void add_rms_norm(float *residual, const float *delta, int64_t delta_stride, con
         float *x = residual + r * cols;
         if (delta)
             for (int64_t c = 0; c < cols; ++c) x[c] += delta[r * delta_stride + c];
-        float part[16] = {0};
-        int64_t c = 0;
-        for (; c + 16 <= cols; c += 16)
-            for (int i = 0; i < 16; ++i) part[i] += x[c + i] * x[c + i];
-        for (int i = 0; c < cols; ++c, ++i) part[i] += x[c] * x[c];
-        for (int width = 8; width > 0; width /= 2)
-            for (int i = 0; i < width; ++i) part[i] += part[i + width];
-        const float inv = 1.0f / sqrtf(part[0] / (float)cols + eps);
-        float *o = out + r * cols;
-        for (c = 0; c < cols; ++c) o[c] = weight[c] * (x[c] * inv);
+        rms_norm_row(x, weight, eps, out + r * cols, cols);
+    }
+}
+
+// QK-norm in place: each of the `heads` heads of head_dim floats at the start of every row of x (tokens rows of
+// `stride` floats: the q or k part of the fused projection) through RMSNorm with `weight` [head_dim]
+void rms_norm_heads(float *x, int64_t stride, int64_t tokens, int64_t heads, int64_t head_dim, const float *weight,
+                    float eps) {
+#pragma omp parallel for if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < tokens * heads; ++i) {
+        float *head = x + (i / heads) * stride + (i % heads) * head_dim;
+        rms_norm_row(head, weight, eps, head, head_dim);
     }
 }
 
@@ -95,6 +111,35 @@ void silu_and_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
         }
 #else
         for (int64_t j = 0; j < n; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+#endif
+    }
+}
+
+// out [rows, n] = gelu_tanh(gate) * up for gate_up [rows, 2n] (gate first): GeGLU (Gemma), with
+// gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))) and tanh(z) = 1 - 2 / (1 + e^(2z))
+void gelu_tanh_and_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+#pragma omp parallel for if (rows * n >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate_up + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), half = _mm512_set1_ps(0.5f);
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 mask = (__mmask16)(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+            const __m512 gv = _mm512_maskz_loadu_ps(mask, g + j), uv = _mm512_maskz_loadu_ps(mask, u + j);
+            const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
+            const __m512 z = _mm512_mul_ps(_mm512_set1_ps(k), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), cube, gv));
+            const __m512 e = exp512_ps(_mm512_mul_ps(two, z));
+            const __m512 tanh_z = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, e)));
+            const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_add_ps(one, tanh_z)), uv);
+            _mm512_mask_storeu_ps(o + j, mask, y);
+        }
+#else
+        for (int64_t j = 0; j < n; ++j) {
+            const float z = k * (g[j] + 0.044715f * g[j] * g[j] * g[j]);
+            o[j] = 0.5f * g[j] * (1.0f + tanhf(z)) * u[j];
+        }
 #endif
     }
 }

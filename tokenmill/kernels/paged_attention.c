@@ -149,8 +149,8 @@ static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MA
 
 static inline __attribute__((always_inline)) void attend_block16(
     float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs, const int64_t *len,
-    int64_t first_row, int64_t n_rows, int64_t block_start, const void *kt, const void *vb, int64_t head_dim,
-    float scale, const int bf16, const char *next_k, const char *next_v) {
+    const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
+    int64_t head_dim, float scale, const int bf16, const char *next_k, const char *next_v) {
     int64_t r = first_row;
     for (; r + 4 <= n_rows; r += 4) {
         block_scores16(s + r, qs + r, kt, head_dim, 4, bf16, next_k, next_v);
@@ -167,7 +167,9 @@ static inline __attribute__((always_inline)) void attend_block16(
     for (int64_t i = first_row; i < n_rows; ++i) {
         const int64_t left = len[i] - block_start;
         const int n = left < 16 ? (int)left : 16;
-        const __mmask16 mask = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
+        // keys before a sliding window's start weigh exp(-inf) = 0 (a row given this block sees at least one)
+        const int before = lo == NULL || lo[i] <= block_start ? 0 : (int)(lo[i] - block_start);
+        const __mmask16 mask = (__mmask16)((n == 16 ? 0xFFFFu : (1u << n) - 1) & ~((1u << before) - 1));
         const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(s[i]), _mm512_set1_ps(scale));
         float block_max = _mm512_mask_reduce_max_ps(mask, sv);
         block_max = m[i] > block_max ? m[i] : block_max;
@@ -189,17 +191,19 @@ static inline __attribute__((always_inline)) void attend_block16(
 }
 
 static void attend_block16_f32(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK],
-                               const float *const *qs, const int64_t *len, int64_t first_row, int64_t n_rows,
-                               int64_t block_start, const void *kt, const void *vb, int64_t head_dim, float scale,
-                               const char *next_k, const char *next_v) {
-    attend_block16(acc, m, l, s, qs, len, first_row, n_rows, block_start, kt, vb, head_dim, scale, 0, next_k, next_v);
+                               const float *const *qs, const int64_t *len, const int64_t *lo, int64_t first_row,
+                               int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
+                               int64_t head_dim, float scale, const char *next_k, const char *next_v) {
+    attend_block16(acc, m, l, s, qs, len, lo, first_row, n_rows, block_start, kt, vb, head_dim, scale, 0, next_k,
+                   next_v);
 }
 
 static void attend_block16_bf16(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK],
-                                const float *const *qs, const int64_t *len, int64_t first_row, int64_t n_rows,
-                                int64_t block_start, const void *kt, const void *vb, int64_t head_dim, float scale,
-                                const char *next_k, const char *next_v) {
-    attend_block16(acc, m, l, s, qs, len, first_row, n_rows, block_start, kt, vb, head_dim, scale, 1, next_k, next_v);
+                                const float *const *qs, const int64_t *len, const int64_t *lo, int64_t first_row,
+                                int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
+                                int64_t head_dim, float scale, const char *next_k, const char *next_v) {
+    attend_block16(acc, m, l, s, qs, len, lo, first_row, n_rows, block_start, kt, vb, head_dim, scale, 1, next_k,
+                   next_v);
 }
 #else
 int paged_attention_bf16_available(void) { return 0; }
@@ -212,14 +216,14 @@ static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[
                          const void *k_cache, const void *v_cache, int64_t offset, int64_t next_offset,
                          int64_t head_dim, int64_t block_size, float scale, int64_t kv_bf16) {
 #if defined(__AVX512F__)
-    if (block_size == 16 && head_dim % 64 == 0 && lo == NULL) {
+    if (block_size == 16 && head_dim % 64 == 0) {
         const int64_t elem = kv_bf16 ? 2 : 4;
         // blocks lie anywhere in the pool: fetch a later one's K and V while this one computes, which the
         // hardware prefetchers, working within a page, would not
         const char *next_k = next_offset < 0 ? NULL : (const char *)k_cache + next_offset * elem;
         const char *next_v = next_offset < 0 ? NULL : (const char *)v_cache + next_offset * elem;
         (kv_bf16 ? attend_block16_bf16 : attend_block16_f32)(
-            acc, m, l, s, qs, len, active, n_rows, b * block_size, (const char *)k_cache + offset * elem,
+            acc, m, l, s, qs, len, lo, active, n_rows, b * block_size, (const char *)k_cache + offset * elem,
             (const char *)v_cache + offset * elem, head_dim, scale, next_k, next_v);
         return;
     }
@@ -266,7 +270,7 @@ void paged_attention(
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t q_row_stride, int64_t row_stride, float scale,
     int64_t kv_bf16,                  // 1: bf16 caches (only with paged_attention_bf16_available and blocks of 16)
-    int64_t window) {                 // > 0: a row at position p sees keys p - window + 1 .. p (float32 caches)
+    int64_t window) {                 // > 0: a row at position p sees keys p - window + 1 .. p
     const int64_t group = num_heads / num_kv_heads;
     const int64_t head_block = head_dim * block_size;  // elements of one kv head in one block
     // Tasks: (sequence, tile of its query rows, kv heads). A sequence whose rows all fit in one tile (decodes)

@@ -168,10 +168,9 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """`window`: a query at position p sees keys p - window + 1 .. p (sliding-window layers; the native kernel
-    takes them over float32 caches)."""
+    """`window`: a query at position p sees keys p - window + 1 .. p (sliding-window layers)."""
     out = torch.empty_like(q)
-    if kernels.attention_supported(q, q.shape[1], k_cache, window):
+    if kernels.attention_supported(q, q.shape[1], k_cache):
         kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, scale,
                                 window)
         return out

@@ -46,6 +46,8 @@ class RMSNorm(nn.Module):
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm(x) over the last dimension, no residual (computed in float32, as transformers does)."""
+        if x.dim() == 2 and x.is_contiguous() and kernels.layer_ops_supported(x):
+            return kernels.add_rms_norm(x, None, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -81,6 +83,10 @@ class Attention(nn.Module):
     def _norm_heads(self, qkv: torch.Tensor) -> None:
         """QK-norm, in place on the fused projection: each head's q and k through its RMSNorm."""
         assert self.q_norm is not None and self.k_norm is not None
+        if kernels.layer_ops_supported(qkv):  # the kernel the native decoder stack calls
+            kernels.rms_norm_heads(qkv, self.num_heads, self.q_norm.weight, self.q_norm.eps)
+            kernels.rms_norm_heads(qkv[:, self.q_size:], self.num_kv_heads, self.k_norm.weight, self.k_norm.eps)
+            return
         tokens = qkv.shape[0]
         for norm, start, heads in ((self.q_norm, 0, self.num_heads),
                                    (self.k_norm, self.q_size, self.num_kv_heads)):
@@ -99,7 +105,7 @@ class Attention(nn.Module):
         k_cache, v_cache = self.kv_cache
         cos, sin = rope
         native = (kernels.layer_ops_supported(qkv)
-                  and kernels.attention_supported(qkv, self.num_heads, k_cache, self.window))
+                  and kernels.attention_supported(qkv, self.num_heads, k_cache))
         if native:
             q = kernels.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
                                        k_cache, v_cache)
@@ -139,8 +145,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.lora is not None:
             self.lora.add("gate_up", x, gate_up)
-        if not self.gelu and kernels.layer_ops_supported(gate_up):
-            act = kernels.silu_and_mul(gate_up)
+        if kernels.layer_ops_supported(gate_up):
+            act = kernels.gated_activation(gate_up, self.gelu)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
@@ -178,7 +184,7 @@ class DecoderLayer(nn.Module):
 
 class NativeDecoderStack:
     """All decoder layers in one native call per step (kernels/decoder.c), each projection int8 or a GGUF
-    file's own blocks (`--quantization int8`, `gguf`): the kernels the
+    file's own blocks (`--quantization int8`, `gguf`), with every family option of DecoderLayer: the kernels the
     layers above call one by one, in the same order, so the results are bit-identical, without the per-layer
     Python, ctypes and allocation overhead (~2 ms of a ~10 ms batch-1 step). Holds the layers' raw addresses:
     weights and KV caches never move once bound."""
@@ -213,8 +219,15 @@ class NativeDecoderStack:
             slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             assert attn.kv_cache is not None
             slot.k_cache, slot.v_cache = attn.kv_cache[0].data_ptr(), attn.kv_cache[1].data_ptr()
+            slot.q_norm, slot.k_norm, slot.attn_out_norm, slot.mlp_out_norm = (
+                None if norm is None else norm.weight.data_ptr()
+                for norm in (attn.q_norm, attn.k_norm, layer.attn_output_norm, layer.mlp_output_norm))
+            slot.window = attn.window or 0
+            slot.local_rope = int(attn.window is not None and model.local_rope is not None)
         self.dims = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                      config.intermediate_size)
+        self.gelu = config.hidden_act == "gelu_tanh"
+        self.has_local_rope = model.local_rope is not None
         self.eps = config.rms_norm_eps
         self.scale = config.softmax_scale
         self.block_size = self.caches[0][0].shape[3]
@@ -226,7 +239,7 @@ class NativeDecoderStack:
     def supported(model: LlamaForCausalLM) -> bool:
         """Every projection int8 packed for the grouped kernel or GGUF blocks the kernel executes (biases on qkv
         only), the fused layer kernels and the native attention over these caches."""
-        if not (kernels.decoder_stack_available() and model.config.plain_llama):
+        if not kernels.decoder_stack_available():
             return False
         for layer in model.decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -234,7 +247,10 @@ class NativeDecoderStack:
             if attn.kv_cache is None or not all(_native_int8(x) is not None or (
                     isinstance(x, GGUFLinear) and x.plan is not None) for x in linears):
                 return False
-            if any(x.bias is not None for x in linears[1:]) or layer.input_layernorm.weight.dtype != torch.float32:
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm,
+                     layer.attn_output_norm, layer.mlp_output_norm)
+            if any(x.bias is not None for x in linears[1:]) or any(
+                    norm is not None and norm.weight.dtype != torch.float32 for norm in norms):
                 return False
             query = torch.empty(1, attn.num_heads, attn.head_dim)
             if not (kernels.layer_ops_supported(query) and kernels.attention_supported(query, attn.num_heads,
@@ -242,15 +258,17 @@ class NativeDecoderStack:
                 return False
         return True
 
-    def __call__(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's output, the residual stream) for embeddings x [T, hidden] (updated in place)."""
+    def __call__(self, x: torch.Tensor, rope: RopeTables, local_rope: RopeTables,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual stream) for embeddings x [T, hidden] (updated in place);
+        `local_rope`: the tables of the windowed layers with their own base (else `rope` again)."""
         needed = x.shape[0] * kernels.decoder_work_floats(*self.dims)
         if self.work.numel() < needed:
             self.work = torch.empty(needed)
         lora = None if self.lora_context is None else self.lora_context.batch
-        out = kernels.decoder_forward(self.pointers, self.dims, self.eps, x, self.work, rope[0], rope[1],
+        out = kernels.decoder_forward(self.pointers, self.dims, self.eps, x, self.work, rope, local_rope,
                                       meta.slot_mapping, self.block_size, meta.query_start, meta.seq_lens,
-                                      meta.block_tables, self.scale, self.kv_bf16,
+                                      meta.block_tables, self.scale, self.kv_bf16, self.gelu,
                                       None if lora is None else lora.pointers)
         return out, x
 
@@ -322,10 +340,10 @@ class LlamaForCausalLM(nn.Module):
         is rotated for, max(prompt length, position + 1), read by length-dependent rope scalings (rope.py)."""
         x = self.embed(input_ids)
         rope = self.rope(positions, rope_lengths)
-        if self._stack is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            out, stream = self._stack(x.contiguous(), rope, meta)
-            return self.norm(out, stream)[0]
         local_rope = rope if self.local_rope is None else self.local_rope(positions)
+        if self._stack is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+            out, stream = self._stack(x.contiguous(), rope, local_rope, meta)
+            return self.norm(out, stream)[0]
         residual = None
         for layer in self.decoder_layers:
             x, residual = layer(x, residual, rope if layer.self_attn.window is None else local_rope, meta)
