@@ -97,8 +97,9 @@ def main() -> None:
             f"`python benchmarks/bench_gguf.py --runs {args.runs}`: the model runner alone (no scheduler), "
             f"decode after a 128-token prompt, median (min-max) of {args.runs} alternating runs.\n\n{table}\n\n"
             "`gguf` executes the file's blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K; other tensors int8) with "
-            "kernels/gguf_matmul.c; `int8` re-quantizes every tensor to int8 per output channel and runs the "
-            "grouped int8 kernel (through the one-call decoder stack where the family allows).")
+            "kernels/gguf_matmul.c (its row panels where they pay); `int8` re-quantizes every tensor to int8 per "
+            "output channel and runs the grouped int8 kernel. Both run every layer in the one-call native "
+            "decoder stack (kernels/decoder.c), on every family.")
     write_section("gguf", text)
     print("wrote docs/BENCHMARKS.md (gguf)")
 
