@@ -8,7 +8,9 @@ printed.
 
 from __future__ import annotations
 
+import json
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,9 @@ from tests.real_models import GEMMA3_270M, QWEN25_CODER_05B, RealModel, fetch
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.executor.model_runner import ModelRunner
+from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.loader import load_model
+from tokenmill.model.metadata import gguf_field
 
 NEAR_TIE = 0.05
 NEW_TOKENS = 24
@@ -81,6 +85,39 @@ def test_float32_greedy_matches_transformers(real: Path, hf: tuple[Any, Any], fl
         print(f"{real.name}: {prompt[:30]!r} diverges at step {step}, transformers' top-2 gap {gap:.4f} nats")
         assert gap < NEAR_TIE, f"{prompt[:40]!r}: diverged at step {step} where the top-2 gap is {gap:.3f} nats"
     assert exact >= len(PROMPTS) - 1, f"only {exact}/{len(PROMPTS)} prompts exact"
+
+
+def test_tokenizer_matches_transformers_and_every_merge(real: Path, hf: tuple[Any, Any],
+                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The tokenizer converted from the file encodes as transformers' does, on plain, multilingual and code text;
+    a SentencePiece vocabulary keeps only the merges BPE can apply (tokenizer._applicable_merges), and it
+    encodes exactly as one built with every merge, also on random runs of the file's own pieces."""
+    from tests.test_tokenizer import TEXTS
+    from tokenmill.model import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))  # converted here, not read from a cache
+    ours = tokenizer_module.Tokenizer.from_gguf(str(real))
+    code = [path.read_text() for path in sorted(Path(tokenizer_module.__file__).parents[1].glob("*/*.py"))[:30]]
+    texts = [*TEXTS, *code]
+    for text in texts:
+        assert ours.encode(text) == hf[1](text).input_ids, f"differs from transformers on {text[:40]!r}"
+
+    reader = GGUFFile(str(real))
+    if gguf_field(reader, "tokenizer.ggml.model") != "llama":
+        return  # byte-level BPE keeps the file's merges as they are
+    tokens = list(gguf_field(reader, "tokenizer.ggml.tokens"))
+    rng = random.Random(0)
+    pieces = [piece for piece in tokens if len(piece) > 1]
+    texts += ["".join(rng.choice(pieces) for _ in range(64)) for _ in range(300)]
+    monkeypatch.setattr(tokenizer_module, "_applicable_merges", lambda merges, vocab: merges)
+    every_merge = tokenizer_module._gguf_backend(reader, tokens)
+
+    def merge_count(backend: Any) -> int:
+        return len(json.loads(backend.to_str())["model"]["merges"])
+
+    assert merge_count(every_merge) > merge_count(ours.backend) > 0
+    for text in texts:
+        assert ours.backend.encode(text).ids == every_merge.encode(text).ids, f"merges differ on {text[:40]!r}"
 
 
 QUANTIZED = ("int8", "gguf")  # gguf: the file's blocks executed as stored
