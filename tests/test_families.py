@@ -445,3 +445,44 @@ def test_longrope_generation_crossing_the_original_context_matches_transformers(
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     outputs = speculating.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+
+@pytest.mark.parametrize("kind", ["default", "llama3", "longrope"])
+def test_rope_tables_grow_by_blocks_bit_identical_to_transformers(kind: str) -> None:
+    """The cos/sin tables start with one block of positions and grow a block at a time as sequences reach
+    further (rope.TABLE_BLOCK): every row equals transformers' rotary embedding for that position, bit for bit
+    (longrope: its long factors, which transformers takes for a sequence past the original context), and a row
+    never depends on how far the table had grown when it was read."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from tokenmill.model.rope import TABLE_BLOCK, RotaryEmbedding
+    from tokenmill.model.rope_scaling import RopeScaling
+
+    context, head_dim = 3 * TABLE_BLOCK, 32
+    parameters: dict[str, Any] = {"rope_type": kind, "rope_theta": 10000.0}
+    if kind == "llama3":
+        parameters |= {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 1024}
+    if kind == "longrope":
+        parameters |= {"long_factor": [1.0 + i / 8 for i in range(head_dim // 2)],
+                       "short_factor": [1.0] * (head_dim // 2), "original_max_position_embeddings": 1024}
+    config = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4,
+                                      max_position_embeddings=context, rope_parameters=parameters)
+    positions = torch.arange(2 * TABLE_BLOCK + 17)
+    reference = LlamaRotaryEmbedding(config)(torch.zeros(1, len(positions), head_dim), positions[None])
+
+    def tables(rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope.long_tables if rope.long_tables is not None else (rope.cos, rope.sin)
+
+    scaling = RopeScaling.from_hf(parameters, context)
+    grown, whole = (RotaryEmbedding(head_dim, 10000.0, context, scaling) for _ in range(2))
+    assert grown.cos.shape[0] == TABLE_BLOCK
+    grown.reserve(TABLE_BLOCK + 1)
+    grown.reserve(len(positions))
+    whole.reserve(context)
+    assert grown.cos.shape[0] == len(tables(grown)[0]) == 3 * TABLE_BLOCK
+    for table, expected, whole_table in zip(tables(grown), reference, tables(whole)):
+        assert torch.equal(table[positions], expected[0])
+        assert torch.equal(table, whole_table[:len(table)])

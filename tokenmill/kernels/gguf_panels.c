@@ -129,9 +129,43 @@ static void decode_levels(int type, const uint8_t *row, int64_t k, RowParts *out
     }
 }
 
+/* Q8_0 needs no decoding: each run of 4 levels moves whole to its place in the panel, + 128 (a word at a time,
+ * straight from the file's blocks: the LM head of a 262k vocabulary is Q8_0, and packed a byte at a time through
+ * the scratch rows it took most of a load). */
+static void pack_q8_0(const uint8_t *blocks, int64_t rows, int64_t k, const int64_t *index, uint8_t *out) {
+    const int64_t row_bytes = gguf_row_bytes(T_Q8_0, k), groups = k / 32, panels = (rows + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = gguf_panel_bytes(T_Q8_0, k);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *src[PANEL];
+        for (int r = 0; r < PANEL; r++) {
+            const int64_t row = PANEL * p + r;
+            src[r] = row < rows ? blocks + (index ? index[row] : row) * row_bytes : NULL;
+        }
+        uint8_t *dst = out + p * panel_bytes;
+        for (int64_t g = 0; g < groups; g++, dst += group_bytes(T_Q8_0)) {
+            uint32_t *words = (uint32_t *)dst;
+            uint16_t *d = (uint16_t *)(dst + 512);
+            for (int r = 0; r < PANEL; r++) {
+                const uint8_t *blk = src[r] ? src[r] + g * 34 : NULL;
+                d[r] = blk ? half_bits(blk) : 0;
+                for (int v = 0; v < 8; v++) {
+                    uint32_t w = 0;  // zero weights past the last row: levels 128, scale 0
+                    if (blk) memcpy(&w, blk + 2 + 4 * v, 4);
+                    words[16 * v + r] = w ^ 0x80808080u;
+                }
+            }
+        }
+    }
+}
+
 /* blocks [rows, row bytes] of one tensor -> ceil(rows / 16) panels at out (gguf_panel_bytes each). Panel row r of
  * panel p is stored row index[16 p + r] (index NULL: in order); rows past the end are zero weights. */
 void gguf_panels_pack(int type, const uint8_t *blocks, int64_t rows, int64_t k, const int64_t *index, uint8_t *out) {
+    if (type == T_Q8_0) {
+        pack_q8_0(blocks, rows, k, index, out);
+        return;
+    }
     const int64_t row_bytes = gguf_row_bytes(type, k), panels = (rows + PANEL - 1) / PANEL;
     const int64_t panel_bytes = gguf_panel_bytes(type, k), groups = k / 32;
     // per row: levels [k], d and m [groups] (u16), sc and mn [groups], sc16 [k / 16], super_d and super_dmin [k / 256]

@@ -339,8 +339,13 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of a flat token batch. `rope_lengths` [T]: the sequence length each token
         is rotated for, max(prompt length, position + 1), read by length-dependent rope scalings (rope.py)."""
         x = self.embed(input_ids)
+        reached = int(meta.seq_lens_np.max()) if len(meta.seq_lens_np) else 0  # the rope tables grow to it
+        self.rope.reserve(reached)
         rope = self.rope(positions, rope_lengths)
-        local_rope = rope if self.local_rope is None else self.local_rope(positions)
+        local_rope = rope
+        if self.local_rope is not None:
+            self.local_rope.reserve(reached)
+            local_rope = self.local_rope(positions)
         if self._stack is not None and x.device.type == "cpu" and x.dtype == torch.float32:
             out, stream = self._stack(x.contiguous(), rope, local_rope, meta)
             return self.norm(out, stream)[0]
