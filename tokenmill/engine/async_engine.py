@@ -172,14 +172,17 @@ class AsyncLLM:
         from tokenmill.model.metadata import read_metadata
         from tokenmill.model.tokenizer import Tokenizer
 
-        loaded = read_metadata(config.model)
-        # the replicas start (and load their weights) while this process builds its tokenizer
+        # The replicas start (and load their weights) while this process builds its tokenizer. Their requests
+        # go to the fork server first: parsing a tokenizer holds the GIL (0.7 s for Gemma 3's 262k pieces), and a
+        # launch that had not handed its request over by then started its core that much later. Reading the
+        # header (Python, which passes the GIL on every few ms) gives the launch thread the moments it needs.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             launching = pool.submit(launch_all, replicas)
             try:
+                loaded = read_metadata(config.model)
                 tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader, config.chat_template)
             except BaseException:
-                launching.result()  # then stop what it started: the tokenizer's error is the one to report
+                launching.result()  # then stop what it started: this error (a bad file) is the one to report
                 for replica in replicas:
                     replica.stop(timeout=1.0)
                 raise
