@@ -33,6 +33,10 @@
 
 #include "gguf_blocks.c"
 
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 #define PANEL 16  // output rows per panel: one 512-bit vector of int32 or float lanes
 
 static int nibble_format(int type) { return type != T_Q8_0; }
@@ -93,10 +97,6 @@ static void decode_levels(int type, const uint8_t *row, int64_t k, RowParts *out
             out->m[b] = with_min ? half_bits(blk + 2) : 0;
             break;
         }
-        case T_Q8_0:
-            for (int j = 0; j < 32; j++) L[j] = blk[2 + j] ^ 0x80;  // int8 + 128
-            out->d[b] = half_bits(blk);
-            break;
         case T_Q4_K: case T_Q5_K: {
             const int five = type == T_Q5_K;
             const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
@@ -127,6 +127,54 @@ static void decode_levels(int type, const uint8_t *row, int64_t k, RowParts *out
         }
         }
     }
+}
+
+/* One group's levels (32 k from `first`) of the 16 scratch rows (levels at row * row_stride) into the panel's 4
+ * vectors: byte [r * 4 + i] of vector v = level(r, 8v + i) | level(r, 8v + 4 + i) << 4, then the 5th bits (and
+ * Q6_K's 6th) of the low and the high nibbles as one u64 each per vector. */
+static void interleave_nibbles(int type, const uint8_t *levels, int64_t row_stride, int64_t first, uint8_t *dst) {
+    uint64_t *masks = (uint64_t *)(dst + 256);
+    const int mask_words = type == T_Q6_K ? 4 : mask_bytes(type) ? 2 : 0;
+#if defined(__AVX512BW__)
+    // a 32-bit gather takes 4 consecutive levels of each of the 16 rows: bytes in the panel's order already
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)row_stride));
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bit5 = _mm512_set1_epi8(0x20);
+    for (int v = 0; v < 4; v++) {
+        const __m512i lo = _mm512_i32gather_epi32(rows, levels + first + 8 * v, 1);
+        const __m512i hi = _mm512_i32gather_epi32(rows, levels + first + 8 * v + 4, 1);
+        _mm512_storeu_si512(dst + 64 * v, _mm512_or_si512(_mm512_and_si512(lo, nibble),
+                                                          _mm512_slli_epi32(_mm512_and_si512(hi, nibble), 4)));
+        if (mask_words) {
+            uint64_t *m = masks + mask_words * v;
+            m[0] = _mm512_test_epi8_mask(lo, bit4);
+            m[1] = _mm512_test_epi8_mask(hi, bit4);
+            if (mask_words == 4) {
+                m[2] = _mm512_test_epi8_mask(lo, bit5);
+                m[3] = _mm512_test_epi8_mask(hi, bit5);
+            }
+        }
+    }
+#else
+    if (mask_words) memset(masks, 0, (size_t)mask_bytes(type));
+    for (int v = 0; v < 4; v++)
+        for (int r = 0; r < PANEL; r++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t lo = levels[r * row_stride + first + 8 * v + i];
+                const uint8_t hi = levels[r * row_stride + first + 8 * v + 4 + i];
+                const int byte = r * 4 + i;
+                dst[64 * v + byte] = (uint8_t)((lo & 0x0F) | ((hi & 0x0F) << 4));
+                if (mask_words) {
+                    uint64_t *m = masks + mask_words * v;
+                    m[0] |= (uint64_t)((lo >> 4) & 1) << byte;
+                    m[1] |= (uint64_t)((hi >> 4) & 1) << byte;
+                    if (mask_words == 4) {
+                        m[2] |= (uint64_t)((lo >> 5) & 1) << byte;
+                        m[3] |= (uint64_t)((hi >> 5) & 1) << byte;
+                    }
+                }
+            }
+#endif
 }
 
 /* Q8_0 needs no decoding: each run of 4 levels moves whole to its place in the panel, + 128 (a word at a time,
@@ -192,9 +240,8 @@ void gguf_panels_pack(int type, const uint8_t *blocks, int64_t rows, int64_t k, 
                 const int64_t row = PANEL * p + r;
                 if (row < rows) {
                     decode_levels(type, blocks + (index ? index[row] : row) * row_bytes, k, parts + r);
-                } else {  // zero weights: zero levels and scales (Q8_0's stored zero is 128)
+                } else {  // zero weights: zero levels and scales
                     memset(scratch + r * scratch_row, 0, (size_t)scratch_row);
-                    if (type == T_Q8_0) memset(parts[r].levels, 0x80, (size_t)k);
                 }
             }
             for (int64_t g = 0; g < groups; g++) {
@@ -206,35 +253,8 @@ void gguf_panels_pack(int type, const uint8_t *blocks, int64_t rows, int64_t k, 
                     }
                     dst += header_bytes(type);
                 }
-                const int64_t base = 32 * g;
-                if (nibble_format(type)) {
-                    uint64_t *masks = (uint64_t *)(dst + 256);
-                    const int mask_words = type == T_Q6_K ? 4 : 2;
-                    if (mask_bytes(type)) memset(masks, 0, (size_t)mask_bytes(type));
-                    for (int v = 0; v < 4; v++)
-                        for (int r = 0; r < PANEL; r++)
-                            for (int i = 0; i < 4; i++) {
-                                const uint8_t lo = parts[r].levels[base + 8 * v + i];
-                                const uint8_t hi = parts[r].levels[base + 8 * v + 4 + i];
-                                const int byte = r * 4 + i;
-                                dst[64 * v + byte] = (uint8_t)((lo & 0x0F) | ((hi & 0x0F) << 4));
-                                if (mask_words) {
-                                    uint64_t *m = masks + mask_words * v;
-                                    m[0] |= (uint64_t)((lo >> 4) & 1) << byte;
-                                    m[1] |= (uint64_t)((hi >> 4) & 1) << byte;
-                                    if (mask_words == 4) {
-                                        m[2] |= (uint64_t)((lo >> 5) & 1) << byte;
-                                        m[3] |= (uint64_t)((hi >> 5) & 1) << byte;
-                                    }
-                                }
-                            }
-                    dst += 256 + mask_bytes(type);
-                } else {
-                    for (int v = 0; v < 8; v++)
-                        for (int r = 0; r < PANEL; r++)
-                            for (int i = 0; i < 4; i++) dst[64 * v + r * 4 + i] = parts[r].levels[base + 4 * v + i];
-                    dst += 512;
-                }
+                interleave_nibbles(type, scratch, scratch_row, 32 * g, dst);
+                dst += 256 + mask_bytes(type);
                 for (int r = 0; r < PANEL; r++) {
                     if (type == T_Q4_K || type == T_Q5_K) {
                         dst[r] = parts[r].sc[g];
