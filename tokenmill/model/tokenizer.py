@@ -254,7 +254,7 @@ def _applicable_merges(merges: list[tuple[str, str]], vocab: dict[str, int]) -> 
     """The merges that BPE can ever apply, in their order: for each piece, the last merge of BPE run on the
     piece's characters alone. Wherever a piece forms in a longer text, no merge crossed its edges, so the
     merges inside it ran exactly as they do on its characters alone and its last merge is that one; every other
-    split of the piece is never applied. Dropping those leaves every encoding unchanged (tests/test_tokenizer.py
+    split of the piece is never applied. Dropping those leaves every encoding unchanged (tests/test_real_models.py
     checks against the full list) and halves Gemma 3's merges (515k -> 236k), and so the time every start spends
     reading them back."""
     rank = {pair: i for i, pair in enumerate(merges)}
