@@ -486,3 +486,30 @@ def test_rope_tables_grow_by_blocks_bit_identical_to_transformers(kind: str) -> 
     for table, expected, whole_table in zip(tables(grown), reference, tables(whole)):
         assert torch.equal(table[positions], expected[0])
         assert torch.equal(table, whole_table[:len(table)])
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_generation_past_the_first_rope_block_matches_transformers(name: str, tmp_path: Path) -> None:
+    """A prompt that crosses the rope tables' first block while it is prefilled in chunks (the tables grow in
+    the step that reaches it; Gemma 3 has a second, local table) gives transformers' greedy tokens, batched with
+    a short prompt that never needs the growth."""
+    import transformers
+
+    from tokenmill.model.rope import TABLE_BLOCK
+
+    config_class, options = FAMILIES[name]
+    config = getattr(transformers, config_class)(**(BASE | options | {"max_position_embeddings": 3 * TABLE_BLOCK}))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    _save_tokenizer(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (TABLE_BLOCK - 4, 9)]
+    expected = [_hf_greedy(model, p) for p in prompts]
+    llm = LLM(str(tmp_path), device=DEVICE, quantization="none", max_num_batched_tokens=1024)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    transformer = llm.engine.core.executor.model
+    tables = [transformer.rope] + ([transformer.local_rope] if transformer.local_rope is not None else [])
+    assert [rope.cos.shape[0] for rope in tables] == [2 * TABLE_BLOCK] * (2 if name == "gemma3" else 1)
