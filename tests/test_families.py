@@ -65,12 +65,13 @@ def _save_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "w1", "eos_token": "w2"}))
 
 
-def _tiny_model(name: str, path: Path) -> Any:
-    """The family's tiny random model, saved with a tokenizer (and no chat template) under `path`."""
+def _tiny_model(name: str, path: Path, **overrides: Any) -> Any:
+    """The family's tiny random model (config `overrides` on top), saved with a tokenizer (and no chat template)
+    under `path`."""
     import transformers
 
     config_class, options = FAMILIES[name]
-    config = getattr(transformers, config_class)(**(BASE | options))
+    config = getattr(transformers, config_class)(**(BASE | options | overrides))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(path)
@@ -447,7 +448,6 @@ def test_longrope_generation_crossing_the_original_context_matches_transformers(
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
 
 
-
 @pytest.mark.parametrize("kind", ["default", "llama3", "longrope"])
 def test_rope_tables_grow_by_blocks_bit_identical_to_transformers(kind: str) -> None:
     """The cos/sin tables start with one block of positions and grow a block at a time as sequences reach
@@ -493,16 +493,9 @@ def test_generation_past_the_first_rope_block_matches_transformers(name: str, tm
     """A prompt that crosses the rope tables' first block while it is prefilled in chunks (the tables grow in
     the step that reaches it; Gemma 3 has a second, local table) gives transformers' greedy tokens, batched with
     a short prompt that never needs the growth."""
-    import transformers
-
     from tokenmill.model.rope import TABLE_BLOCK
 
-    config_class, options = FAMILIES[name]
-    config = getattr(transformers, config_class)(**(BASE | options | {"max_position_embeddings": 3 * TABLE_BLOCK}))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(tmp_path)
-    _save_tokenizer(tmp_path)
+    model = _tiny_model(name, tmp_path, max_position_embeddings=3 * TABLE_BLOCK)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (TABLE_BLOCK - 4, 9)]
     expected = [_hf_greedy(model, p) for p in prompts]

@@ -183,6 +183,8 @@ static void interleave_nibbles(int type, const uint8_t *levels, int64_t row_stri
 static void pack_q8_0(const uint8_t *blocks, int64_t rows, int64_t k, const int64_t *index, uint8_t *out) {
     const int64_t row_bytes = gguf_row_bytes(T_Q8_0, k), groups = k / 32, panels = (rows + PANEL - 1) / PANEL;
     const int64_t panel_bytes = gguf_panel_bytes(T_Q8_0, k);
+    int64_t values, block_bytes;
+    block_shape(T_Q8_0, &values, &block_bytes);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *src[PANEL];
@@ -195,7 +197,7 @@ static void pack_q8_0(const uint8_t *blocks, int64_t rows, int64_t k, const int6
             uint32_t *words = (uint32_t *)dst;
             uint16_t *d = (uint16_t *)(dst + 512);
             for (int r = 0; r < PANEL; r++) {
-                const uint8_t *blk = src[r] ? src[r] + g * 34 : NULL;
+                const uint8_t *blk = src[r] ? src[r] + g * block_bytes : NULL;
                 d[r] = blk ? half_bits(blk) : 0;
                 for (int v = 0; v < 8; v++) {
                     uint32_t w = 0;  // zero weights past the last row: levels 128, scale 0
