@@ -31,15 +31,17 @@ request_strategy = st.fixed_dictionaries({
     policy=st.sampled_from(["fcfs", "priority"]),
     caching=st.booleans(),
     spec_k=st.sampled_from([0, 0, 1, 3, 5]),
+    target_itl_ms=st.sampled_from([None, None, 5.0, 50.0]),  # with a target: prompts shortest first, within the bound
 )
 def test_random_workloads_keep_invariants(requests, block_size, num_blocks, budget, max_num_seqs, partial,  # noqa: ANN001
-                                          batching, policy, caching, spec_k) -> None:
+                                          batching, policy, caching, spec_k, target_itl_ms) -> None:
     clock = FakeClock()
     eos_at = {f"r{i}": r["eos_at"] for i, r in enumerate(requests) if r["eos_at"] is not None}
     executor = FakeExecutor(num_blocks, clock, eos_at=eos_at)
     core, _ = make_core(clock=clock, executor=executor, block_size=block_size, max_num_batched_tokens=budget,
                         max_num_seqs=max_num_seqs, max_num_partial_prefills=partial, batching=batching,
-                        policy=policy, enable_prefix_caching=caching, max_model_len=64)
+                        policy=policy, enable_prefix_caching=caching, max_model_len=64,
+                        target_itl_ms=target_itl_ms)
     if spec_k:  # speculative decoding: proposals partly right, verified, rolled back; outputs must not change
         core.proposer = OracleProposer(spec_k, executor)  # type: ignore[assignment]
     capacity = num_blocks * block_size

@@ -136,3 +136,38 @@ def test_a_calibrated_profile_warm_starts_the_predictor(tmp_path) -> None:  # no
     specs.hardware("h100-sxm").save(path)
     engine = LLM(target_itl_ms=50.0, step_cost_profile=str(path), num_kv_blocks=64).engine
     assert engine.core.scheduler.token_budget is not None and engine.core.scheduler.token_budget.predictor.ready
+
+
+def _shorts_served_before_a_long_prompt(target_itl_ms: float | None) -> tuple[list[str], float]:
+    """A 3,000-token prompt is prefilled in 256-token chunks; a 40-token prompt arrives every step. Returns the
+    shorts that had their first token before the long prompt did, and the long prompt's TTFT."""
+    clock = FakeClock()
+    executor = CostedExecutor(4096, clock)
+    core, _ = make_core(num_blocks=4096, clock=clock, executor=executor, max_num_batched_tokens=256,
+                        target_itl_ms=target_itl_ms, max_num_seqs=32, max_model_len=8192,
+                        enable_prefix_caching=False)  # the shorts' prompts are alike: each computed in full
+    start = clock()
+    core.add_request(make_request("long", prompt_len=3000, max_tokens=1, clock=clock))
+    served: list[str] = []
+    for step in range(1000):
+        if step < 20:
+            core.add_request(make_request(f"short{step}", prompt_len=40, max_tokens=4, clock=clock))
+        outputs = {o.request_id: o for o in core.step() if o.new_token_ids}
+        if "long" in outputs:
+            return served, clock() - start
+        served += [r for r in outputs if r.startswith("short") and r not in served]
+    raise AssertionError("the long prompt never finished")
+
+
+def test_short_prompts_pass_a_long_one_by_at_most_one_chunk() -> None:
+    """Shortest remaining prompt first: later short prompts are computed ahead of an earlier long one while
+    the tokens they take from it stay within one chunk (max_num_batched_tokens); after that policy order
+    holds and they wait for it. Without a target, policy order throughout."""
+    served, ttft = _shorts_served_before_a_long_prompt(target_itl_ms=1e4)  # a target that never binds
+    # six shorts pass (240 tokens ahead of the long prompt); a seventh would make it 280 > 256
+    assert served == [f"short{i}" for i in range(6)]
+    fcfs_served, fcfs_ttft = _shorts_served_before_a_long_prompt(target_itl_ms=None)
+    assert fcfs_served == []
+    # the long prompt's first token is later by at most one chunk's time (and the shorts' decodes beside it)
+    one_chunk = true_seconds([(256, 3000)])
+    assert fcfs_ttft < ttft <= fcfs_ttft + one_chunk + 12 * true_seconds([(1, 40)])

@@ -27,6 +27,7 @@ from tokenmill.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from tokenmill.core.prompt_order import ShortestPromptFirst, remaining_prompt
 from tokenmill.core.remote_kv import RemoteKVLoads
 from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from tokenmill.core.spec_counts import SpecDecodeCounts
@@ -83,6 +84,8 @@ class Scheduler:
         self.spec = SpecDecodeCounts()  # speculative decoding: verifications since the start
         self.token_budget = None if config.target_itl_ms is None else TokenBudget(
             config.target_itl_ms / 1e3, config.max_num_batched_tokens)
+        self.prompt_order = None if config.target_itl_ms is None else ShortestPromptFirst(
+            config.max_num_batched_tokens)
         self.last_stats = SchedulerStats()
         # Disaggregation hooks, set by the engine core: a request about to free its blocks (a producer saves its
         # prompt's KV), and the requests admitted with remote KV (a consumer loads it into their blocks).
@@ -169,52 +172,98 @@ class Scheduler:
         padding = list(self.padding_rows)
 
         # 1. Running requests: decodes first, so prompt work can never starve them.
-        decode_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        prompt_phase = False  # past the decodes: the prompt chunks' budget applies
-        for request in decode_first:
-            if not prompt_phase and request.num_tokens - request.num_computed_tokens > 1:
-                prompt_phase = True
-                budget = self._prompt_budget(num_scheduled, budget, request.num_computed_tokens)
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes:
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            self.grammars.trim_proposals(request)
-            self._trim_before_long_rope(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
-            if num_new <= 0:
-                continue
-            if request.spec_token_ids and self.kv.allocate_slots(request, num_new) is None:
-                # proposals are a bet: never preempt anyone to make room for them
-                request.spec_token_ids = []
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
-                victim = self._pick_victim(request)
-                if victim.request_id in num_scheduled:
-                    budget += num_scheduled.pop(victim.request_id)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status == RequestStatus.RUNNING:
-                num_scheduled[request.request_id] = num_new
-                budget -= num_new
+            budget = self._schedule_running(request, budget, num_scheduled, preempted)
 
-        # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last; those whose
-        # grammar is still compiling step aside without holding up the others.
-        if not prompt_phase:
-            budget = self._prompt_budget(num_scheduled, budget, 0)
-        if not preempted:
+        # 2. Prompts: the running ones, then the waiting ones in policy order while budget, sequence slots and
+        # blocks last; those whose grammar is still compiling step aside without holding up the others.
+        budget = self._prompt_budget(num_scheduled, budget, prompts[0].num_computed_tokens if prompts else 0)
+        if preempted:
+            self._schedule_running_prompts(prompts, budget, num_scheduled, preempted)
+        else:
             # their grammar failed to compile, or their adapter to load
             failed = self.grammars.set_aside(self.waiting) + self.loras.set_aside(self.waiting)
             for request in failed:
                 self._finish(request, RequestStatus.FINISHED_ABORTED, keep_slot=False)
                 self._outputs_since_plan.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
-            budget = self._admit_waiting(budget, num_scheduled)
+            if self.prompt_order is not None and self.config.batching == "continuous":
+                self._schedule_prompts_shortest_first(prompts, budget, num_scheduled, preempted)
+            else:
+                budget = self._schedule_running_prompts(prompts, budget, num_scheduled, preempted)
+                if not preempted:
+                    self._admit_waiting(budget, num_scheduled)
             self.loras.restore(self.waiting)
             self.grammars.restore(self.waiting)
 
         return self._build_plan(num_scheduled, padding, preempted)
+
+    def _schedule_running(self, request: Request, budget: int, num_scheduled: dict[str, int],
+                          preempted: list[Request]) -> int:
+        """Its next tokens (a decode, its proposals, or a prompt chunk), preempting later requests when the KV
+        pool is full; returns the budget left."""
+        if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
+            return budget
+        self.grammars.trim_proposals(request)
+        self._trim_before_long_rope(request)
+        num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
+        if num_new <= 0:
+            return budget
+        if request.spec_token_ids and self.kv.allocate_slots(request, num_new) is None:
+            # proposals are a bet: never preempt anyone to make room for them
+            request.spec_token_ids = []
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = self._pick_victim(request)
+            if victim.request_id in num_scheduled:
+                budget += num_scheduled.pop(victim.request_id)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                break
+        if request.status == RequestStatus.RUNNING:
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _schedule_running_prompts(self, prompts: list[Request], budget: int, num_scheduled: dict[str, int],
+                                  preempted: list[Request]) -> int:
+        for request in prompts:
+            if budget == 0:
+                break
+            budget = self._schedule_running(request, budget, num_scheduled, preempted)
+        return budget
+
+    def _schedule_prompts_shortest_first(self, prompts: list[Request], budget: int, num_scheduled: dict[str, int],
+                                         preempted: list[Request]) -> None:
+        """--target-itl-ms: running and waiting prompts share the budget shortest remaining first, within the
+        bound on passing (core/prompt_order.py)."""
+        assert self.prompt_order is not None
+        candidates = prompts + list(self.waiting)
+        ordered = self.prompt_order.order(candidates)
+        running = {r.request_id for r in prompts}
+        admitting = True  # until a waiting request cannot start (slots, blocks): none after it may
+        partial = len(prompts)  # prompts left partway (counting every running one: an upper bound)
+        for request in ordered:
+            if budget == 0:
+                break
+            if request.request_id in running:
+                budget = self._schedule_running(request, budget, num_scheduled, preempted)
+                admitting = admitting and not preempted  # the pool is full: no one else starts this step
+            elif admitting:
+                if remaining_prompt(request) > budget and partial >= self.config.max_num_partial_prefills:
+                    admitting = False
+                    continue
+                budget = self._admit_waiting(budget, num_scheduled, [request])
+                if request.status == RequestStatus.RUNNING or request.request_id in self.loading:
+                    if request.num_computed_tokens + num_scheduled.get(request.request_id, 0) < request.num_tokens:
+                        partial += 1
+                else:  # no slot or block for it (an adapter over max_loras only steps aside)
+                    admitting = not self.loras.admits(request, self.running)
+        self.prompt_order.charge(candidates, ordered, num_scheduled)
 
     def _trim_before_long_rope(self, request: Request) -> None:
         """Proposals never reach past the original context before the crossing: the rows there would read KV
@@ -239,9 +288,12 @@ class Scheduler:
         if self.token_budget is None:
             return budget
         rows = [(n, self.requests[request_id].num_computed_tokens) for request_id, n in decodes.items()]
-        return self.token_budget.prompt_tokens(rows, next_prompt_start)
+        return min(self.token_budget.prompt_tokens(rows, next_prompt_start), budget)  # the cap holds too
 
-    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
+                       candidates: list[Request] | None = None) -> int:
+        """Start waiting requests (`candidates`, else the whole queue in policy order) while budget, sequence
+        slots and blocks last; returns the budget left."""
         mode = self.config.batching
         if mode != "continuous":
             if self.running or self.padding_rows:
@@ -250,18 +302,16 @@ class Scheduler:
         partial = sum(1 for r in self.running
                       if r.request_id in num_scheduled
                       and r.num_computed_tokens + num_scheduled[r.request_id] < r.num_tokens)
-        skipped: list[Request] = []  # their adapter would exceed max_loras: the requests behind them go first
-        while (len(self.waiting) and budget > 0
-               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
-            request = self.waiting.peek()
+        for request in list(self.waiting) if candidates is None else candidates:
+            if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+                break
             if not self.loras.admits(request, self.running):
-                skipped.append(self.waiting.pop())
-                continue
+                continue  # its adapter would exceed max_loras: the requests behind it go first
             hit = self.kv.find_cached_prefix(request)
             if request.kv_transfer_params is not None and self.remote_kv is not None:
                 if not self.remote_kv.admit(request, hit):
                     break
-                self.waiting.pop()
+                self.waiting.remove(request)
                 continue
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget:
@@ -271,12 +321,10 @@ class Scheduler:
                 partial += 1
             if self.kv.allocate_slots(request, num_new, hit) is None:
                 break
-            self.waiting.pop()
+            self.waiting.remove(request)
             self._start_running(request, hit)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-        for request in reversed(skipped):
-            self.waiting.push_front(request)
         return budget
 
     @property
