@@ -41,8 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     g.add_argument("--target-itl-ms", type=float, default=None,
                    help="size prompt chunks so that steps with decodes running stay within this many ms (the "
-                        "step time is predicted by a model fitted online); without decodes prompts get the whole "
-                        "--max-num-batched-tokens")
+                        "step time is predicted by a model fitted online, with a margin from its recent errors); "
+                        "without decodes prompts get the whole --max-num-batched-tokens; short prompts go ahead of "
+                        "longer ones by at most one chunk")
     g.add_argument("--step-cost-profile", default=None, metavar="JSON",
                    help="with --target-itl-ms: a `tokenmill sim calibrate` profile of this machine to start the "
                         "step-time predictor from (otherwise it learns from the first steps)")
