@@ -1,7 +1,8 @@
 """Decode and prefill on one device with the model runner, against the device's memory roofline measured in
 the same run: tok/s at decode batch 1-256 (each sequence 512 tokens of context) and prompt tok/s at 512 / 2048
 tokens, and for decode the bytes a step must read (weights + KV) divided by its time, as a share of the
-measured copy bandwidth.
+measured copy bandwidth. Decode steps are timed twice: replaying the CUDA graphs the runner captured at start-up,
+and eagerly (`--enforce-eager`), with the largest difference between the two runners' logits.
 
 The model is random weights of a real shape (default Llama-3.2-1B's: hidden 2048, 16 layers, GQA 32/8, vocab
 128k) written as a Hugging Face directory, so the check needs no download. `python benchmarks/bench_gpu.py
@@ -11,6 +12,7 @@ The model is random weights of a real shape (default Llama-3.2-1B's: hidden 2048
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -92,8 +94,9 @@ def main() -> None:
         loaded = load_model(tmp)
         blocks_needed = max(args.batches) * (CONTEXT // 16 + 2) + max(args.prompts) // 16 + 2
         config = EngineConfig(model=tmp, device=args.device, num_kv_blocks=blocks_needed,
-                              max_num_batched_tokens=max(args.prompts))
+                              max_num_batched_tokens=max(args.prompts), max_num_seqs=max(args.batches))
         runner = ModelRunner(config, loaded.config, loaded.weights)
+        eager = ModelRunner(dataclasses.replace(config, enforce_eager=True), loaded.config, loaded.weights)
     # weights held as parameters or buffers (a quantized layer's), not the rope tables
     tensors = list(runner.model.parameters()) + [b for name, b in runner.model.named_buffers()
                                                  if b.dim() > 1 and "rope" not in name]
@@ -103,8 +106,10 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     lines = [f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
              f"shape {args.shape}, linear layers `{runner.quantization}`, KV `{runner.kv_dtype}`, weights "
-             f"{weight_bytes / 2**30:.2f} GiB, copy bandwidth {bandwidth:.0f} GB/s", "",
-             "| step | tok/s | step ms | bytes read / step time, share of copy bandwidth |", "|---|---|---|---|"]
+             f"{weight_bytes / 2**30:.2f} GiB, copy bandwidth {bandwidth:.0f} GB/s; decode steps "
+             f"{'replay CUDA graphs' if runner.decode_graphs is not None else 'eager (no CUDA graphs here)'}", "",
+             "| step | tok/s | step ms | bytes read / step time, share of copy bandwidth | eager tok/s | "
+             "graphs / eager | logits vs eager (max abs diff / max abs) |", "|---|---|---|---|---|---|---|"]
     params = SamplingParams(temperature=0.0)
     for batch in args.batches:
         scheduled = []
@@ -113,9 +118,14 @@ def main() -> None:
             scheduled.append(ScheduledRequest(f"d{i}", [5], CONTEXT, table, True, params, [5] * CONTEXT, [1]))
         plan = SchedulerOutput(scheduled)
         seconds = timed(device, lambda plan=plan: runner.execute(plan), 5)
+        eager_seconds = timed(device, lambda plan=plan: eager.execute(plan), 5)
+        (_, logits), (_, reference) = runner.compute_logits(plan), eager.compute_logits(plan)
+        assert logits is not None and reference is not None
+        difference = float((logits - reference).abs().max() / reference.abs().max())
         read = weight_bytes + batch * CONTEXT * kv_token_bytes
         lines.append(f"| decode batch {batch} | {batch / seconds:.0f} | {seconds * 1e3:.2f} | "
-                     f"{read / seconds / 1e9:.0f} GB/s = {read / seconds / 1e9 / bandwidth:.0%} |")
+                     f"{read / seconds / 1e9:.0f} GB/s = {read / seconds / 1e9 / bandwidth:.0%} | "
+                     f"{batch / eager_seconds:.0f} | {eager_seconds / seconds:.2f}x | {difference:.1e} |")
     for length in args.prompts:
         table = list(range(-(-length // 16)))
         prompt = [(j * 7) % 500 + 3 for j in range(length)]
@@ -123,7 +133,7 @@ def main() -> None:
         seconds = timed(device, lambda plan=plan: runner.execute(plan), 3)
         flops = 2 * length * weight_count  # ~2 FLOPs per weight per token (attention not counted)
         lines.append(f"| prefill {length} | {length / seconds:.0f} | {seconds * 1e3:.1f} | "
-                     f"~{flops / seconds / 1e12:.1f} TFLOP/s (weights only) |")
+                     f"~{flops / seconds / 1e12:.1f} TFLOP/s (weights only) | | | |")
     text = "\n".join(lines)
     print(text)
     if args.out:

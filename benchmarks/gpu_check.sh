@@ -59,7 +59,8 @@ run triton_kernels 120 env TRITON_INTERPRET=0 TOKENMILL_TEST_DEVICE=cuda $PY -m 
 # 2. every family against transformers, greedy tokens identical in float32, on the device
 run families 180 env TOKENMILL_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/test_families.py \
     -k "greedy_tokens_match_transformers"
-# 3. decode batch 1-256 and prefill 512/2048 against the device's copy bandwidth
+# 3. decode batch 1-256 (CUDA graphs and eager, their logits compared) and prefill 512/2048 against the device's
+#    copy bandwidth
 run bench 150 $PY benchmarks/bench_gpu.py --device cuda --out "$OUTDIR/bench_gpu.md"
 cat "$OUTDIR/bench_gpu.md" 2>/dev/null
 # 4. `tokenmill serve --device cuda` answers a request

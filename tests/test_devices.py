@@ -3,6 +3,8 @@ serve a CUDA layer, how the KV pool is sized from the device's memory."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,10 +53,14 @@ def test_triton_layer_selection_needs_cuda_and_tileable_shapes(monkeypatch: pyte
 
 def test_gpu_kv_pool_takes_what_the_utilization_leaves() -> None:
     gib = 2**30
-    config = EngineConfig(device="cuda", gpu_memory_utilization=0.9, max_num_seqs=64, max_num_batched_tokens=512)
+    config = EngineConfig(device="cuda", gpu_memory_utilization=0.9, max_num_seqs=64, max_num_batched_tokens=512,
+                          enforce_eager=True)
     budget = model_runner.gpu_kv_budget(free=70 * gib, total=80 * gib, config=config, model=MODEL)
     activations = 2**28 + 16 * 512 * 8192 * 4 + 2 * 256 * 32000 * 4
     assert budget == int(80 * gib * 0.9) - 10 * gib - activations
+    graphs = dataclasses.replace(config, enforce_eager=False)  # the decode graphs' pool: 64 rows' activations
+    assert model_runner.gpu_kv_budget(free=70 * gib, total=80 * gib, config=graphs, model=MODEL) == (
+        budget - 16 * 64 * 8192 * 4)
     assert model_runner.gpu_kv_budget(free=1 * gib, total=80 * gib, config=config, model=MODEL) == 0
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=1.5)

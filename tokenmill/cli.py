@@ -37,6 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=defaults.kv_cache_memory_gb)
     g.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                    help="GPU: the share of device memory the weights, activations and KV pool may take")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: run decode steps eagerly instead of replaying CUDA graphs captured at start-up")
     g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     g.add_argument("--target-itl-ms", type=float, default=None,
@@ -76,7 +78,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         target_itl_ms=args.target_itl_ms, step_cost_profile=args.step_cost_profile,
         max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,

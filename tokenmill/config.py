@@ -111,6 +111,8 @@ class EngineConfig:
     # on a GPU the KV pool takes what this share of the device's memory leaves once the weights are loaded
     # (vLLM's --gpu-memory-utilization); --num-kv-blocks wins over it
     gpu_memory_utilization: float = 0.9
+    # GPU: decode steps run eagerly instead of replaying CUDA graphs captured at start-up (vLLM's --enforce-eager)
+    enforce_eager: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     # --target-itl-ms: while requests decode, prompt chunks get only the tokens that keep a step's predicted time

@@ -13,6 +13,14 @@ import torch
 from tokenmill import kernels
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.executor.cuda_graphs import (
+    MAX_CAPTURED_BATCH,
+    Capture,
+    CudaGraphCapture,
+    DecodeGraphs,
+    capture_sizes,
+    eager_reason,
+)
 from tokenmill.executor.sampler import Sampler, SamplingRow, logprob_entries, logprob_entry, random_probs
 from tokenmill.kernels import triton_ops
 from tokenmill.lora.manager import LoRAManager
@@ -96,11 +104,14 @@ def num_kv_blocks_for(config: EngineConfig, model: ModelConfig) -> int:
 def gpu_kv_budget(free: int, total: int, config: EngineConfig, model: ModelConfig) -> int:
     """Bytes for the KV pool on a GPU (vLLM's rule, with the peak activations estimated rather than profiled):
     `gpu_memory_utilization` of the device, less what is already in use (weights, CUDA context, other processes),
-    less a step's activations: the flat batch's hidden states and the logits of the rows that sample or score."""
+    less a step's activations: the flat batch's hidden states and the logits of the rows that sample or score,
+    and the CUDA graphs' pool."""
     in_use = total - free
     logit_rows = max(config.max_num_seqs, SCORE_ROWS)
-    activations = (2**28 + 16 * config.max_num_batched_tokens * max(model.hidden_size, model.intermediate_size) * 4
-                   + 2 * logit_rows * model.vocab_size * 4)
+    width = max(model.hidden_size, model.intermediate_size)
+    activations = 2**28 + 16 * config.max_num_batched_tokens * width * 4 + 2 * logit_rows * model.vocab_size * 4
+    if not config.enforce_eager:  # the decode graphs' own memory pool: the largest captured batch's activations
+        activations += 16 * min(config.max_num_seqs, MAX_CAPTURED_BATCH) * width * 4
     return max(0, int(total * config.gpu_memory_utilization) - in_use - activations)
 
 
@@ -121,8 +132,10 @@ class ModelRunner:
         model.to(device=self.device)
         self.model = (model if self.dtype == torch.float32 else model.to(dtype=self.dtype)).eval()
         self.num_kv_blocks = num_kv_blocks_for(config, model_config)
+        # one block past the pool, never handed out: the padding rows of a captured decode batch write there
+        self.scratch_block = self.num_kv_blocks
         self.kv_caches = [
-            allocate_kv_cache(self.num_kv_blocks, config.block_size, model_config.num_kv_heads,
+            allocate_kv_cache(self.num_kv_blocks + 1, config.block_size, model_config.num_kv_heads,
                               model_config.head_dim, self.kv_dtype, self.device)
             for _ in range(model_config.num_layers)
         ]
@@ -134,9 +147,28 @@ class ModelRunner:
             self.model.attach_lora(self.lora.slots, self.lora.context)
         self.model.bind_kv_caches(self.kv_caches)
         self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype) * self.num_kv_blocks
+        self.max_model_len = min(config.max_model_len or model_config.max_context_len, model_config.max_context_len)
+        self.decode_graphs: DecodeGraphs | None = None
+        reason = eager_reason(config, model_config)
+        if reason is None:
+            try:
+                self.capture_decode_graphs(capture_sizes(config.max_num_seqs))
+            except RuntimeError as error:  # a kernel that cannot be captured: serve eagerly rather than not at all
+                logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", error)
+                self.decode_graphs = None
+        elif self.device.type == "cuda":
+            logger.info("decode steps run eagerly: %s", reason)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = random.Random(config.seed)  # seeds for requests that bring none
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, sizes: list[int], capture: Capture | None = None) -> None:
+        """Capture the decoder layers for decode batches of these sizes (executor/cuda_graphs.py); `capture`:
+        CUDA graphs unless given."""
+        self.decode_graphs = DecodeGraphs(self.model, sizes, self.scratch_block, self.block_size,
+                                          -(-self.max_model_len // self.block_size), self.max_model_len,
+                                          self.device, self.model.norm.weight.dtype, capture or CudaGraphCapture())
 
     @property
     def long_rope_threshold(self) -> int | None:
@@ -195,6 +227,12 @@ class ModelRunner:
         first_row = np.cumsum(query_lens) - query_lens
         positions = starts[seq_of_token] + np.arange(len(input_ids)) - first_row[seq_of_token]
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        graphs = self.decode_graphs
+        if (graphs is not None and len(input_ids) == len(scheduled) and graphs.covers(len(scheduled))
+                and max_blocks <= graphs.max_blocks):
+            hidden = graphs.run(self.model.embed(ids), positions, slots, starts + query_lens, tables)
+            return hidden, first_row + query_lens - 1
         meta = AttentionMetadata.build(query_lens, starts + query_lens, tables, slots, bs, self.device)
         if self.lora is not None:
             self.lora.prepare(scheduled)
@@ -205,7 +243,7 @@ class ModelRunner:
                                       len(scheduled))
             rope_lengths = torch.from_numpy(np.maximum(prompt_lens[seq_of_token], positions + 1)).to(self.device)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            ids,
             torch.from_numpy(positions).to(self.device),
             meta,
             rope_lengths,

@@ -160,7 +160,9 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     kv_heads, block = k_cache.shape[1], k_cache.shape[3]
     group = heads // kv_heads
     query_lens = query_start[1:] - query_start[:-1]
-    row_seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=query.device), query_lens)
+    # output_size: no device-to-host sync for the result's length (a CUDA graph captures this)
+    row_seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=query.device), query_lens,
+                                      output_size=tokens)
     # a row's position: its sequence's length after the step, minus the rows after it in the sequence
     row_pos = seq_lens[row_seq] - (query_start[1:][row_seq] - torch.arange(tokens, device=query.device))
     assert query.stride(2) == 1 and query.stride(1) == head_dim and out.stride(1) == head_dim

@@ -338,7 +338,12 @@ class LlamaForCausalLM(nn.Module):
                 rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat token batch. `rope_lengths` [T]: the sequence length each token
         is rotated for, max(prompt length, position + 1), read by length-dependent rope scalings (rope.py)."""
-        x = self.embed(input_ids)
+        return self.run_layers(self.embed(input_ids), positions, meta, rope_lengths)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder layers and the final norm over embedded tokens x [T, hidden] (the part of a decode step
+        a CUDA graph captures: executor/cuda_graphs.py)."""
         reached = int(meta.seq_lens_np.max()) if len(meta.seq_lens_np) else 0  # the rope tables grow to it
         self.rope.reserve(reached)
         rope = self.rope(positions, rope_lengths)
