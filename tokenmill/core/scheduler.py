@@ -174,16 +174,13 @@ class Scheduler:
         # 1. Running requests: decodes first, so prompt work can never starve them.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes:
-            if budget == 0:
-                break
-            budget = self._schedule_running(request, budget, num_scheduled, preempted)
+        budget = self._schedule_in_order(decodes, budget, num_scheduled, preempted)
 
         # 2. Prompts: the running ones, then the waiting ones in policy order while budget, sequence slots and
         # blocks last; those whose grammar is still compiling step aside without holding up the others.
         budget = self._prompt_budget(num_scheduled, budget, prompts[0].num_computed_tokens if prompts else 0)
         if preempted:
-            self._schedule_running_prompts(prompts, budget, num_scheduled, preempted)
+            self._schedule_in_order(prompts, budget, num_scheduled, preempted)
         else:
             # their grammar failed to compile, or their adapter to load
             failed = self.grammars.set_aside(self.waiting) + self.loras.set_aside(self.waiting)
@@ -193,7 +190,7 @@ class Scheduler:
             if self.prompt_order is not None and self.config.batching == "continuous":
                 self._schedule_prompts_shortest_first(prompts, budget, num_scheduled, preempted)
             else:
-                budget = self._schedule_running_prompts(prompts, budget, num_scheduled, preempted)
+                budget = self._schedule_in_order(prompts, budget, num_scheduled, preempted)
                 if not preempted:
                     self._admit_waiting(budget, num_scheduled)
             self.loras.restore(self.waiting)
@@ -229,9 +226,10 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _schedule_running_prompts(self, prompts: list[Request], budget: int, num_scheduled: dict[str, int],
-                                  preempted: list[Request]) -> int:
-        for request in prompts:
+    def _schedule_in_order(self, requests: list[Request], budget: int, num_scheduled: dict[str, int],
+                           preempted: list[Request]) -> int:
+        """Running requests one after the other while budget lasts; returns the budget left."""
+        for request in requests:
             if budget == 0:
                 break
             budget = self._schedule_running(request, budget, num_scheduled, preempted)

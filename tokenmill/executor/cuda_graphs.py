@@ -49,8 +49,7 @@ def eager_reason(config: EngineConfig, model_config: ModelConfig) -> str | None:
         return "not a CUDA device"
     if config.enforce_eager:
         return "--enforce-eager"
-    if not (triton_ops.triton_usable(device)
-            and triton_ops.attention_shapes_supported(model_config.head_dim, config.block_size)):
+    if not triton_ops.attention_kernel_serves(device, model_config.head_dim, config.block_size):
         # the torch reference attention builds its tensors from host arrays each step: nothing to capture
         return "no Triton attention kernel for this device and shape"
     if config.enable_lora:

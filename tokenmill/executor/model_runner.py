@@ -74,8 +74,7 @@ def kv_cache_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
         return _DTYPES[config.kv_cache_dtype]
     device = torch.device(config.device)
     native_bf16 = ((device.type == "cpu" and kernels.bf16_cache_supported(model.head_dim, config.block_size))
-                   or (device.type == "cuda" and triton_ops.triton_usable(device)
-                       and triton_ops.attention_shapes_supported(model.head_dim, config.block_size)))
+                   or triton_ops.attention_kernel_serves(device, model.head_dim, config.block_size))
     return torch.bfloat16 if linear_mode(config) != "none" and native_bf16 else _DTYPES[config.dtype]
 
 
@@ -155,7 +154,6 @@ class ModelRunner:
                 self.capture_decode_graphs(capture_sizes(config.max_num_seqs))
             except RuntimeError as error:  # a kernel that cannot be captured: serve eagerly rather than not at all
                 logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", error)
-                self.decode_graphs = None
         elif self.device.type == "cuda":
             logger.info("decode steps run eagerly: %s", reason)
         self.sampler = Sampler()

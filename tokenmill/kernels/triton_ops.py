@@ -51,6 +51,12 @@ def attention_shapes_supported(head_dim: int, block_size: int) -> bool:
     return _power_of_two(head_dim) and _power_of_two(block_size) and head_dim >= 16 and block_size >= 16
 
 
+def attention_kernel_serves(device: torch.device, head_dim: int, block_size: int) -> bool:
+    """The Triton attention (and rope + KV write) serves a CUDA layer of this head_dim over blocks of this
+    size."""
+    return device.type == "cuda" and triton_usable(device) and attention_shapes_supported(head_dim, block_size)
+
+
 @functools.cache
 def _kernels() -> dict[str, Any]:
     triton = triton_module()

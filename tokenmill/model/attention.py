@@ -203,8 +203,7 @@ def paged_attention(
 def gpu_kernels_apply(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The Triton kernels serve a layer whose activations are `x`: a CUDA device with triton, shapes they tile
     (head_dim is the K cache's dimension 2)."""
-    return (x.device.type == "cuda" and triton_ops.triton_usable(x.device)
-            and triton_ops.attention_shapes_supported(k_cache.shape[2], k_cache.shape[3]))
+    return triton_ops.attention_kernel_serves(x.device, k_cache.shape[2], k_cache.shape[3])
 
 
 def _window_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
