@@ -29,11 +29,13 @@ class LiveServer:
 @contextmanager
 def live_server(*args: str, timeout: float = 180.0, quiet: bool = True,
                 omp_wait_policy: str | None = "PASSIVE", module: str = "tokenmill.cli",
-                env: dict[str, str] | None = None) -> Iterator[LiveServer]:
+                env: dict[str, str] | None = None, own_process_group: bool = False) -> Iterator[LiveServer]:
     """Start a server with the given `tokenmill serve` flags, wait until /health answers, stop it after.
 
     `omp_wait_policy` None leaves OpenMP's default (threads spin a while before sleeping). `module` is run
-    with `python -m MODULE serve ...`; `env` adds environment variables."""
+    with `python -m MODULE serve ...`; `env` adds environment variables. `own_process_group`: the server leads
+    a session of its own, so that a signal to its process group (as systemd sends one) reaches it and its
+    helpers, not the caller."""
     port = free_port()
     env = {**os.environ, **(env or {})}
     env.pop("OMP_WAIT_POLICY", None)
@@ -41,7 +43,7 @@ def live_server(*args: str, timeout: float = 180.0, quiet: bool = True,
         env["OMP_WAIT_POLICY"] = omp_wait_policy
     cmd = [sys.executable, "-m", module, "serve", "--port", str(port), "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=own_process_group)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -1,4 +1,4 @@
-"""Process lifecycle under a supervisor: graceful drain on SIGTERM, non-zero exit when the engine dies."""
+"""Process lifecycle under a supervisor: graceful drain on SIGTERM or SIGINT, non-zero exit when the engine dies."""
 
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ class ShuttingDownError(RuntimeError):
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn, except that SIGTERM drains: the gate answers 503 to new API requests (and /health to load
-    balancers), in-flight requests run to their end for up to `shutdown_timeout` seconds, what is left is then
-    failed with a clear error, and the process exits 0. A second signal falls back to uvicorn's quick exit.
-    uvicorn alone would close the listening socket at once, so clients would see refused connections."""
+    """uvicorn, except that SIGTERM and SIGINT drain: the gate answers 503 to new API requests (and /health to
+    load balancers), in-flight requests run to their end for up to `shutdown_timeout` seconds, what is left is
+    then failed with a clear error, and the process exits 0. However the signal is delivered (to this process
+    alone, to its whole process group as systemd and `kill -- -PGID` do, or repeated by an impatient
+    supervisor), the drain goes on: the engine-core processes and their fork server ignore SIGTERM and SIGINT
+    and go when this process stops them. Only a second SIGINT (Ctrl-C twice at a terminal) cuts the drain
+    short. uvicorn alone would close the listening socket at once, so clients would see refused connections."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, llm: AsyncLLM, shutdown_timeout: float) -> None:
         super().__init__(config)
@@ -32,6 +35,7 @@ class GracefulServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
+        self._cut_short = False
 
     async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
         self._loop = asyncio.get_running_loop()
@@ -39,24 +43,29 @@ class GracefulServer(uvicorn.Server):
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self.state.draining and not self.should_exit and self._loop is not None:
+        if self._loop is None or self.should_exit or sig not in (signal.SIGTERM, signal.SIGINT):
+            super().handle_exit(sig, frame)
+        elif not self.state.draining:
             self.state.draining = True
-            self._loop.call_soon_threadsafe(self._start_drain)
-            return
-        super().handle_exit(sig, frame)
+            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+        elif sig == signal.SIGINT:
+            self._cut_short = True
+        # a SIGTERM while draining (a supervisor repeating itself, or the group's signal after our own): the
+        # drain goes on
 
-    def _start_drain(self) -> None:
-        self._drain = asyncio.ensure_future(self.drain())
+    def _start_drain(self, signal_name: str) -> None:
+        self._drain = asyncio.ensure_future(self.drain(signal_name))
 
-    async def drain(self) -> None:
+    async def drain(self, signal_name: str = "SIGTERM") -> None:
         loop = asyncio.get_running_loop()
-        logger.info("SIGTERM: draining %d in-flight requests (up to %.0f s)", self.state.in_flight,
+        logger.info("%s: draining %d in-flight requests (up to %.0f s)", signal_name, self.state.in_flight,
                     self.shutdown_timeout)
         deadline = loop.time() + self.shutdown_timeout
-        while self.state.in_flight and loop.time() < deadline:
+        while self.state.in_flight and loop.time() < deadline and not self._cut_short:
             await asyncio.sleep(0.05)
         if self.llm.num_open_requests:
-            logger.warning("shutdown timeout: aborting %d unfinished requests", self.llm.num_open_requests)
+            logger.warning("%s: aborting %d unfinished requests",
+                           "second SIGINT" if self._cut_short else "shutdown timeout", self.llm.num_open_requests)
             self.llm.fail_all(ShuttingDownError("the server shut down before the request finished"))
         # Let the handlers write their last bytes (bounded: a stalled client must not hold the exit).
         flush_deadline = loop.time() + 5.0
