@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batching", default=defaults.batching, choices=["continuous", "dynamic", "static"])
     g.add_argument("--seed", type=int, default=defaults.seed)
     g.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests)
+    g.add_argument("--migration-limit", type=int, default=defaults.migration_limit,
+                   help="times a request moves to another engine core when its core dies, continuing from the "
+                        "tokens it has streamed (0: it fails)")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     g.add_argument("--max-loras", type=int, default=defaults.max_loras,
                    help="adapters resident (and running) at once")
@@ -84,7 +87,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
         priority_aging_per_s=args.priority_aging_per_s, batching=args.batching, seed=args.seed,
-        max_waiting_requests=args.max_waiting_requests, speculative_config=args.speculative_config,
+        max_waiting_requests=args.max_waiting_requests, migration_limit=args.migration_limit,
+        speculative_config=args.speculative_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype,
     )

@@ -129,6 +129,9 @@ class EngineConfig:
     batching: BatchingMode = "continuous"
     seed: int = 0
     max_waiting_requests: int = 1024
+    # Dynamo's --migration-limit: how often the front end moves a request to another engine core when its core
+    # dies (engine/migration.py); 0: a dead core's requests fail
+    migration_limit: int = 2
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     # (a dict, a JSON string or a tokenmill.spec_decode.SpeculativeConfig); None: no speculation
     speculative_config: Any = None
@@ -156,6 +159,8 @@ class EngineConfig:
             positive(name)
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None:

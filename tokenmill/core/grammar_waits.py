@@ -65,6 +65,8 @@ class GrammarWaits:
                 if request.structured.failure:
                     logger.error("request %s: %s", request.request_id, request.structured.failure)
                     failed.append(request)
+                elif request.output_token_ids and self.replay(request) is not None:
+                    failed.append(request)
         for request in self.compiling + failed:
             waiting.remove(request)
         return failed
@@ -97,16 +99,33 @@ class GrammarWaits:
         assert self.manager is not None
         return self.manager.grammar_bitmask(rows)
 
+    def replay(self, request: Request) -> RequestStatus | None:
+        """A request resumed on this engine (engine/migration.py) arrives with tokens already emitted: bring its
+        fresh grammar to the state they leave it in. Not None: they do not fit it, or already complete it (it
+        would have ended), and the request cannot go on."""
+        outputs = request.output_token_ids
+        for i, token in enumerate(outputs):
+            status = self._feed(request, token, outputs[:i + 1])
+            if status is not None:
+                logger.error("request %s: its %d emitted tokens do not replay through its grammar", request.request_id,
+                             len(outputs))
+                return status
+        return None
+
     def advance(self, request: Request, token: int) -> RequestStatus | None:
         """Feed an emitted token to the request's grammar: a complete grammar ends the request (its EOS need not
         be generated); a token the grammar rejects (only possible if the mask was bypassed) aborts it. While
         the request reasons, the token only counts towards the end of its reasoning."""
+        return self._feed(request, token, request.output_token_ids)
+
+    def _feed(self, request: Request, token: int, emitted: Sequence[int]) -> RequestStatus | None:
+        """`advance` with `emitted` the output up to and including `token`."""
         structured = request.structured
         assert structured is not None
         if structured.reasoning:
             assert self.reasoning_tags is not None
             end = self.reasoning_tags[1]
-            if request.output_token_ids[-len(end):] == end:
+            if list(emitted[-len(end):]) == end:
                 structured.reasoning = False  # the answer starts with the next token
             return None
         grammar = structured.grammar

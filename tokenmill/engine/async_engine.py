@@ -5,8 +5,8 @@ A replica is a thread of this process (`AsyncLLM.from_engine`) or its own proces
 them for data parallelism, behind a router). Either way the front end only sends commands (add, abort,
 finish-by-stop-string) and reads reports (outputs, step stats, load, KV events): tokenization happens in the
 HTTP handlers and detokenization / stop strings in the event loop (the output processor), so neither stalls a
-model step, and a step never waits for a client. A replica that dies fails its in-flight requests, leaves the
-rotation and is relaunched; the others keep serving.
+model step, and a step never waits for a client. A replica that dies leaves the rotation and is relaunched; its
+unfinished requests continue on another one, or on the relaunched one (engine/migration.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import StepRecord
 from tokenmill.engine.core_messages import CoreDeath, CoreReport
+from tokenmill.engine.migration import HeldGroup, Migrations
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, PromptType, model_limits
 from tokenmill.engine.replica import Message, ProcessReplica, Replica, ReplicaExit, ThreadReplica, cpu_share
-from tokenmill.kv_transfer.handoff import Handoffs, discard
+from tokenmill.kv_transfer.handoff import Handoffs, discard, prefill_copy
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request
@@ -116,6 +117,7 @@ class AsyncLLM:
         # (engine request, KV bytes, transfer seconds, seconds from prefill done to KV loaded)
         self.transfer_listeners: list[Callable[[str, int, float, float], None]] = []
         self.pending_kv_listeners: list[Callable[[int, int], None]] = []  # (replica, saved KV not released)
+        self.migrations = Migrations(output_processor, processor.config.migration_limit)
         self.dead_error: BaseException | None = None
 
     @classmethod
@@ -232,6 +234,8 @@ class AsyncLLM:
         self._loads[index] = _Load()
         for listener in self.replica_listeners:
             listener(replica)
+        for group in self.migrations.release_held(self._can_place):
+            self._place(group, count=False)
 
     def _routers(self) -> list[Router]:
         return [self.router] if self.decode_router is None else [self.router, self.decode_router]
@@ -254,6 +258,9 @@ class AsyncLLM:
         if generation != replica.generation:
             return  # from a process that has been replaced
         if isinstance(message, CoreReport):
+            if replica.state not in ("up", "stopping"):
+                return  # sent before it died: its requests have moved on
+
             self._on_report(replica, message)
         elif isinstance(message, CoreDeath):
             self._replica_down(replica, f"the engine stopped after an internal error: {message.message}")
@@ -281,6 +288,8 @@ class AsyncLLM:
                     listener(*transfer)
         if report.failed and replica.role == "consumer":
             self.handoffs.release_kv(report.failed)
+        if report.kv_failed:
+            self._prefill_on_consumer(report.kv_failed, replica)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self._send_each("finish", stopped)
@@ -312,12 +321,13 @@ class AsyncLLM:
         for router in self._routers():
             router.set_alive(replica.index, False)
         self._loads[replica.index] = _Load()
-        error = EngineDeadError(reason)
-        failed = [child for child, i in self._replica_of.items() if i == replica.index]
-        logger.error("engine core %d is down (%s): failing its %d requests", replica.index, reason, len(failed))
+        children = [child for child, i in self._replica_of.items() if i == replica.index]
+        for child in children:
+            del self._replica_of[child]
+        logger.error("engine core %d is down (%s): moving its %d requests", replica.index, reason, len(children))
         if replica.role == "consumer":
-            self.handoffs.release_kv(failed)
-        self._fail_requests(failed, error)
+            self.handoffs.release_kv(children)
+        self._migrate(children, replica, reason)
         for listener in self.replica_listeners:
             listener(replica)
         if replica.can_restart:
@@ -325,7 +335,65 @@ class AsyncLLM:
             self._restarts.add(task)
             task.add_done_callback(self._restarts.discard)
         else:
-            self._check_fatal(error)
+            self._check_fatal(EngineDeadError(reason))
+
+    def _migrate(self, child_ids: list[str], source: Replica, reason: str) -> None:
+        """Resume a dead replica's unfinished requests elsewhere (engine/migration.py): on another live replica,
+        or, held, on the next one to come up. Disaggregated, a dead prefill engine's prompts go to another
+        prefill engine, or run on a decode engine when none is up; a dead decode engine's requests go to another
+        decode engine, prompt and streamed tokens computed there."""
+        groups, exhausted = self.migrations.take(child_ids)
+        if exhausted:
+            limit = self.migrations.limit
+            self._fail_requests(exhausted, EngineDeadError(
+                f"{reason}; the request was not moved again (moved {limit} times already, --migration-limit "
+                f"{limit})" if limit else reason))
+        restartable = source.can_restart or any(r.state in ("starting", "restarting") for r in self.replicas)
+        for children in groups.values():
+            if source.role == "producer" and self.router.has_alive():
+                target = self._submit(self.router, [prefill_copy(c) for c in children], children[0].prompt_token_ids)
+                self.migrations.moved(children, source.index, target)
+                continue
+            colocated = self.disaggregated
+            if colocated:
+                self.handoffs.forget([c.request_id for c in children])  # no longer handed from engine to engine
+            group = HeldGroup(children, source.index, colocated)
+            if self._can_place(colocated):
+                self._place(group, count=True)
+            elif restartable:
+                self.migrations.moved(children, source.index, None)
+                self.migrations.hold(group)
+            else:
+                self._fail_requests([c.request_id for c in children], EngineDeadError(reason))
+
+    def _prefill_on_consumer(self, child_ids: list[str], consumer: Replica) -> None:
+        """A decode engine could not fetch these prompts' KV (their prefill engine died, or the transfer broke):
+        they run on a decode engine from the prompt."""
+        self.handoffs.forget(child_ids)
+        for child_id in child_ids:
+            self._replica_of.pop(child_id, None)
+        groups, exhausted = self.migrations.take(child_ids)
+        if exhausted:
+            self._fail_requests(exhausted, EngineDeadError("the prompt's KV could not be fetched"))
+        for children in groups.values():
+            group = HeldGroup(children, consumer.index, colocated=True)
+            if self._can_place(True):
+                self._place(group, count=True)
+            else:
+                self.migrations.moved(children, consumer.index, None)
+                self.migrations.hold(group)
+
+    def _can_place(self, colocated: bool) -> bool:
+        router = self.decode_router if colocated and self.decode_router is not None else self.router
+        return router.has_alive()
+
+    def _place(self, group: HeldGroup, count: bool) -> None:
+        router = self.decode_router if group.colocated and self.decode_router is not None else self.router
+        target = self._submit(router, group.children, group.children[0].prompt_token_ids)
+        if count:
+            self.migrations.moved(group.children, group.source, target)
+        else:
+            logger.info("%d held requests went on to engine core %d", len(group.children), target)
 
     async def _relaunch(self, replica: Replica) -> None:
         replica.state = "restarting"
@@ -354,6 +422,7 @@ class AsyncLLM:
         if any(r.state in ("up", "restarting", "starting") for r in self.replicas):
             return
         self.dead_error = error
+        self.migrations.held.clear()
         self.fail_all(error)
         for listener in self.fatal_listeners:
             listener(error)
@@ -402,8 +471,11 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._parents.update((child.request_id, request_id) for child in children)
         self.output_processor.add(request_id, text, token_ids, children)
-        if self.disaggregated:  # the prompt runs on a prefill engine first (kv_transfer/handoff.py)
+        if self.disaggregated and self.router.has_alive():  # the prompt runs on a prefill engine first
             self._submit(self.router, self.handoffs.start(children), token_ids)
+        elif self.disaggregated:  # no prefill engine is up: a decode engine runs it all (colocated)
+            assert self.decode_router is not None
+            self._submit(self.decode_router, children, token_ids)
         else:
             self._submit(self.router, children, token_ids)
         return RequestStream(self, request_id, children, queue)
@@ -423,7 +495,11 @@ class AsyncLLM:
         return index
 
     def _submit_decode(self, request: Request) -> int:
+        """Send a prompt done on a prefill engine on to a decode engine; with none up, it waits for one (-1)."""
         assert self.decode_router is not None
+        if not self.decode_router.has_alive():
+            self.migrations.hold(HeldGroup([request], -1, colocated=True))
+            return -1
         return self._submit(self.decode_router, [request], request.prompt_token_ids)
 
     def _discard_later(self, path: str) -> None:
@@ -463,6 +539,7 @@ class AsyncLLM:
             self.abort(request_id, children)
         ids = [child.request_id for child in children]
         self.handoffs.forget(ids)
+        self.migrations.forget(ids)
         for child_id in ids:
             self._replica_of.pop(child_id, None)
 

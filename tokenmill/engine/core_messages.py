@@ -54,10 +54,15 @@ class RequestSync:
             return None if t is None else t + clock_offset
 
         times = request.times
-        times.first_scheduled, times.first_token = shift(self.first_scheduled), shift(self.first_token)
+        # the first core's, should the request have moved (engine/migration.py): TTFT is the client's
+        if times.first_scheduled is None:
+            times.first_scheduled = shift(self.first_scheduled)
+        if times.first_token is None:
+            times.first_token = shift(self.first_token)
         times.last_token, times.finished = shift(self.last_token), shift(self.finished)
         times.token_times.extend(t + clock_offset for t in self.new_token_times)
-        request.num_cached_tokens = self.num_cached_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = self.num_cached_tokens
         request.num_preemptions = self.num_preemptions
         request.num_recomputed_tokens = self.num_recomputed_tokens
 
@@ -81,6 +86,7 @@ class CoreReport:
     rejected_error: str | None = None
     kv_loaded: list[tuple[str, int, float]] = field(default_factory=list)  # consumer: (request, bytes, seconds)
     kv_pending: int = 0  # producer: saved KV not yet released
+    kv_failed: list[str] = field(default_factory=list)  # consumer: requests whose KV could not be fetched
 
 
 @dataclass

@@ -35,6 +35,17 @@ class _Completion:
 
 
 @dataclass
+class Progress:
+    """An unfinished engine request as its client has seen it: the tokens (and their logprobs) streamed so far
+    and the prompt logprobs, if they have arrived."""
+
+    request: Request  # the front end's copy
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[dict[int, float] | None] | None  # entries for prompt tokens 1..
+
+
+@dataclass
 class _Parent:
     request_id: str
     prompt: str | None
@@ -70,6 +81,21 @@ class OutputProcessor:
         """The front end's copy of an unfinished engine request."""
         entry = self._child_to_parent.get(child_id)
         return entry[1].request if entry else None
+
+    def progress(self, child_id: str) -> Progress | None:
+        """What an unfinished engine request has streamed so far, for resuming it elsewhere (None: finished or
+        closed)."""
+        entry = self._child_to_parent.get(child_id)
+        if entry is None or entry[1].finished:
+            return None
+        parent, child = entry
+        return Progress(child.request, list(child.token_ids),
+                        None if child.logprobs is None else list(child.logprobs),
+                        None if parent.prompt_logprobs is None else parent.prompt_logprobs[1:])
+
+    def parent_of(self, child_id: str) -> str | None:
+        entry = self._child_to_parent.get(child_id)
+        return entry[0].request_id if entry else None
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)

@@ -28,6 +28,10 @@ class LoggingStatLogger:
         self._draft_tokens = self._accepted_tokens = 0
         self._over_target = 0  # --target-itl-ms: steps over it since the last line, and the slowest
         self._slowest_over = 0.0
+        self._migrations = 0  # requests moved off a dead engine core since the last line
+
+    def on_migration(self, request_id: str, source: int, target: int | None) -> None:
+        self._migrations += 1
 
     def on_step(self, record: StepRecord, replica: int = 0) -> None:
         s = record.stats
@@ -66,7 +70,8 @@ class LoggingStatLogger:
         """Write (and return) the line for the interval that ends now, or None when there is nothing to say."""
         now = self.clock()
         elapsed = max(now - self._since, 1e-9)
-        busy = bool(self._prompt_tokens or self._generation_tokens or self.running or self.waiting)
+        busy = bool(self._prompt_tokens or self._generation_tokens or self.running or self.waiting
+                    or self._migrations)
         line = None
         if busy or self._was_busy:
             hit_rate = 100.0 * self._hits / self._queries if self._queries else 0.0
@@ -81,10 +86,13 @@ class LoggingStatLogger:
             if self._over_target:
                 line += (f", Steps over the ITL target: {self._over_target} (slowest "
                          f"{1e3 * self._slowest_over:.0f} ms)")
+            if self._migrations:
+                line += f", Migrated requests: {self._migrations}"
             logger.info(line)
         self._was_busy = busy
         self._since = now
         self._prompt_tokens = self._generation_tokens = self._preemptions = self._queries = self._hits = 0
         self._draft_tokens = self._accepted_tokens = 0
         self._over_target, self._slowest_over = 0, 0.0
+        self._migrations = 0
         return line

@@ -157,7 +157,7 @@ class ModelRunner:
         elif self.device.type == "cuda":
             logger.info("decode steps run eagerly: %s", reason)
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[str, tuple[int, torch.Generator]] = {}  # request -> (base seed, generator)
         self._seed_source = random.Random(config.seed)  # seeds for requests that bring none
 
     @torch.inference_mode()
@@ -200,12 +200,17 @@ class ModelRunner:
                 target = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()
                 target[index_np] = data[:, layer, which].contiguous().view(torch.uint8).numpy()
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
-        generator = self._generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed if seed is not None else self._seed_source.getrandbits(63))
-            self._generators[request_id] = generator
+    def _generator(self, request_id: str, seed: int | None, position: int) -> torch.Generator:
+        """The request's generator, seeded for the output token at `position`: its draws depend on (seed,
+        position) alone, so a request recomputed on another engine (engine/migration.py) continues the same
+        sequence."""
+        entry = self._generators.get(request_id)
+        if entry is None:
+            base = seed if seed is not None else self._seed_source.getrandbits(63)
+            entry = (base, torch.Generator(device=self.device))
+            self._generators[request_id] = entry
+        base, generator = entry
+        generator.manual_seed(position_seed(base, position))
         return generator
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, np.ndarray]:
@@ -337,7 +342,9 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long)
 
     def _row_generator(self, s: ScheduledRequest) -> torch.Generator | None:
-        return None if s.sampling_params.greedy else self._generator(s.request_id, s.sampling_params.seed)
+        if s.sampling_params.greedy:
+            return None
+        return self._generator(s.request_id, s.sampling_params.seed, len(s.output_token_ids))
 
     def _verify(self, sampled: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
         """A step with proposed tokens: each request's 1 + k rows are processed as the k + 1 positions they are
@@ -376,3 +383,15 @@ class ModelRunner:
                 out.accepted_logprobs[s.request_id] = entries[:-1]
             first += k + 1
         return out
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a request's draw for output token `position`: splitmix64 of (seed, position), so that the
+    streams of neighbouring positions (and seeds) are unrelated."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # 63 bits: every torch generator takes it

@@ -21,7 +21,7 @@ class Handoff:
 
     request: Request  # the front end's copy
     producer: int | None = None  # the prefill engine holding its saved KV
-    decode_at: int | None = None  # the decode engine it was sent to
+    decode_at: int | None = None  # the decode engine it was sent to (-1: held until one is up)
     prefill_done: float = 0.0
     kv_transfer_params: dict[str, Any] | None = None  # where the prefill engine saved the prompt's KV
     released: bool = False  # the prefill engine was told to drop the saved KV

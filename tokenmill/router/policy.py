@@ -50,6 +50,9 @@ class Router:
             raise RuntimeError("no replica is alive")
         return live
 
+    def has_alive(self) -> bool:
+        return any(r.alive and i not in self.excluded for i, r in enumerate(self.replicas))
+
     def set_load(self, replica: int, load_tokens: int) -> None:
         self.replicas[replica].load_tokens = load_tokens
 

@@ -182,6 +182,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     llm.route_listeners.append(lambda d: metrics.on_route(d.replica, d.reason, d.matched_blocks))
     llm.transfer_listeners.append(metrics.on_kv_transfer)
     llm.pending_kv_listeners.append(metrics.on_kv_pending)
+    llm.migrations.listeners.append(metrics.on_migration)
     if options.step_trace:
         from tokenmill.sim.trace import StepTraceWriter
 
@@ -190,6 +191,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     if not options.disable_log_stats:
         llm.step_listeners.append(stat_logger.on_step)
         llm.state_listeners.append(stat_logger.on_state)
+        llm.migrations.listeners.append(stat_logger.on_migration)
 
     async def log_stats_forever() -> None:
         while True:

@@ -84,6 +84,9 @@ class EngineMetrics:
                                 per_replica, registry=r)
         self.replica_restarts = Counter("tokenmill:replica_restarts", "Engine core restarts after a failure",
                                         per_replica, registry=r)
+        self.request_migrations = Counter("tokenmill:request_migrations", "Requests moved off an engine core that "
+                                          "died, to continue elsewhere (by the core they left)", per_replica,
+                                          registry=r)
         self.router_decisions = Counter("tokenmill:router_decisions",
                                         "Requests routed, by reason (prefix: for its cached blocks; load: least "
                                         "loaded; round-robin)", ["model_name", "replica", "reason"], registry=r)
@@ -111,7 +114,7 @@ class EngineMetrics:
     def add_replicas(self, num_replicas: int) -> None:
         for i in range(num_replicas):
             for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
-                           self.preemptions, self.replica_up, self.replica_restarts):
+                           self.preemptions, self.replica_up, self.replica_restarts, self.request_migrations):
                 metric.labels(self.model_name, str(i))
 
     def on_step(self, record: StepRecord, replica: int = 0) -> None:
@@ -165,6 +168,9 @@ class EngineMetrics:
         if restarts > self._restarts_seen.get(index, 0):  # the counter follows the replica's own count
             self.replica_restarts.labels(m, r).inc(restarts - self._restarts_seen.get(index, 0))
             self._restarts_seen[index] = restarts
+
+    def on_migration(self, request_id: str, source: int, target: int | None) -> None:
+        self.request_migrations.labels(self.model_name, str(source)).inc()
 
     def on_kv_transfer(self, request_id: str, nbytes: int, seconds: float, handoff_seconds: float) -> None:
         m = self.model_name
