@@ -192,7 +192,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero() -> None:
 
 def test_step_fault_fails_only_its_step_then_timeouts_then_fatal_fault_restarts_the_core(llm, tokenizer) -> None:  # noqa: ANN001
     prefix = tokenizer.encode("Paged attention stores the key-value cache in fixed-size blocks. " * 6)
-    flags = ("-q", "none", "--max-num-seqs", "2", "--request-timeout", "4", "--disable-log-stats")
+    flags = ("-q", "none", "--max-num-seqs", "2", "--request-timeout", "4", "--migration-limit", "1",
+             "--disable-log-stats")
     with live_server(*flags, module="tests.fault_server") as server:
         url = server.url
         # 1. A decodes; P (poisoned) joins it in one step, which raises; B waits for a slot (max_num_seqs 2)
@@ -229,20 +230,24 @@ def test_step_fault_fails_only_its_step_then_timeouts_then_fatal_fault_restarts_
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 408
         assert_idle(url)
 
-        # 3. a fault in the scheduler's bookkeeping is fatal to the engine core: its requests get 503, /health
-        # 503 while no core is up, then the core process is replaced and serving resumes with a clean cache
+        # 3. a fault in the scheduler's bookkeeping is fatal to the engine core, and the core process is replaced.
+        # The request moves to the new core (--migration-limit 1), kills it too, and is not moved again: a 503
+        # that says why. /health is 503 while no core is up, then serving resumes with a clean cache
         dead = post(url, {"model": MODEL, "prompt": [POISON_FATAL, 5], "max_tokens": 4})
-        assert dead.status_code == 503 and "engine stopped" in dead.json()["error"]["message"]
+        message = dead.json()["error"]["message"]
+        assert dead.status_code == 503 and "engine stopped" in message and "--migration-limit 1" in message
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and health.json()["replicas"][0]["state"] in ("down", "restarting")
         deadline = time.monotonic() + 120
         while httpx.get(url + "/health").status_code != 200:
             assert time.monotonic() < deadline, "the engine core was not restarted"
             time.sleep(0.25)
-        assert httpx.get(url + "/health").json()["replicas"][0]["restarts"] == 1
+        assert httpx.get(url + "/health").json()["replicas"][0]["restarts"] == 2
         again = post(url, {"model": MODEL, "prompt": prefix + [13], "max_tokens": 12, "temperature": 0})
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
-        assert metric_value(httpx.get(url + "/metrics").text, "tokenmill:replica_restarts_total") == 1.0
+        exposition = httpx.get(url + "/metrics").text
+        assert metric_value(exposition, "tokenmill:replica_restarts_total") == 2.0
+        assert metric_value(exposition, "tokenmill:request_migrations_total") == 1.0
 
 
 def test_fatal_fault_with_the_core_in_a_thread_exits_nonzero() -> None:

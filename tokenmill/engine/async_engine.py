@@ -346,8 +346,8 @@ class AsyncLLM:
         if exhausted:
             limit = self.migrations.limit
             self._fail_requests(exhausted, EngineDeadError(
-                f"{reason}; the request was not moved again (moved {limit} times already, --migration-limit "
-                f"{limit})" if limit else reason))
+                f"{reason}; the request was not moved again (moved {limit} time{'s' if limit > 1 else ''} already, "
+                f"--migration-limit {limit})" if limit else reason))
         restartable = source.can_restart or any(r.state in ("starting", "restarting") for r in self.replicas)
         for children in groups.values():
             if source.role == "producer" and self.router.has_alive():
