@@ -59,6 +59,7 @@ async def send_one(client: httpx.AsyncClient, model: str, item: WorkItem, token_
                     result.error = str(data["error"])
                     return result
                 now = time.perf_counter()
+                result.request_id = result.request_id or data.get("id")
                 if data.get("usage"):
                     result.output_tokens = data["usage"]["completion_tokens"]
                     result.prompt_tokens = data["usage"]["prompt_tokens"]
@@ -66,6 +67,7 @@ async def send_one(client: httpx.AsyncClient, model: str, item: WorkItem, token_
                     # every streamed choice is a token's arrival, also one whose text is still empty (a token
                     # that completes no character yet): vLLM's benchmark counts them the same way
                     if "text" in choice:
+                        result.text += choice["text"]
                         chunks += 1
                         result.chunk_times.append(now)
                         if result.ttft is None:

@@ -31,6 +31,8 @@ class RequestResult:
     e2e: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # absolute arrival time of each streamed token event
     error: str | None = None
+    request_id: str | None = None  # the server's id for it (the stream's "id")
+    text: str = ""  # the streamed text, all choices joined
 
     @property
     def itls(self) -> list[float]:

@@ -28,6 +28,7 @@ from tokenmill.engine.migration import HeldGroup, Migrations
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, PromptType, model_limits
 from tokenmill.engine.replica import Message, ProcessReplica, Replica, ReplicaExit, ThreadReplica, cpu_share
+from tokenmill.engine.request_stream import RequestStream
 from tokenmill.kv_transfer.handoff import Handoffs, discard, prefill_copy
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
@@ -568,36 +569,3 @@ def launch_all(replicas: list[Replica]) -> None:
 
 
 _HOSTNAME = socket.gethostname()
-
-
-class RequestStream:
-    """Async iterator over one request's outputs; `close()` before the end aborts the request."""
-
-    def __init__(self, llm: AsyncLLM, request_id: str, children: list[Request],
-                 queue: asyncio.Queue[RequestOutput | BaseException]) -> None:
-        self.llm = llm
-        self.request_id = request_id
-        self.children = children
-        self._queue = queue
-        self._finished = False
-        self._closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._finished or self._closed:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        if item.finished:
-            self._finished = True
-            self.close()
-        return item
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.llm._release(self.request_id, self.children, self._finished)
