@@ -75,8 +75,8 @@ def latency_row(label: str, results: list[RequestResult], duration: float) -> li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-requests", type=int, default=400)
-    parser.add_argument("--request-rate", type=float, default=4.0)
+    parser.add_argument("--num-requests", type=int, default=800)
+    parser.add_argument("--request-rate", type=float, default=8.0)
     parser.add_argument("--kill-interval", type=float, nargs=2, default=(20.0, 30.0))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true")

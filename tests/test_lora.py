@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +21,13 @@ import torch
 
 from tests.conftest import LONG_PARAGRAPH
 from tests.server_utils import assert_idle_soon, live_server
+from tests.test_operations import in_thread, read_sse
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.adapter import LoRAError, load_adapter
 from tokenmill.lora.request import LoRARequest
+from tokenmill.server.metrics import metric_value
 
 NEW_TOKENS = 24
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
@@ -366,6 +372,31 @@ def test_runtime_load_and_unload_stay_inside_lora_dir(lora_server, prompt_ids, r
     gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "not_found_error"
     assert_idle_soon(url)
+
+
+def test_an_adapter_s_stream_continues_exactly_after_its_core_is_killed(lora_server) -> None:  # noqa: ANN001
+    """Migration keeps the adapter: the restarted core loads it and the stream goes on token for token."""
+    url, _ = lora_server
+    body = {"model": "all-r8", "prompt": "Tell me about the sea", "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0}
+    undisturbed: list[Any] = []
+    read_sse(url, body, undisturbed, threading.Event())
+    events: list[Any] = []
+    started = threading.Event()
+    thread = in_thread(read_sse, url, body, events, started)
+    assert started.wait(60)
+    while len(events) < 10:
+        time.sleep(0.05)
+    os.kill(httpx.get(url + "/health").json()["replicas"][0]["pid"], signal.SIGKILL)
+    thread.join(240)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict)), events[-3:]
+
+    def text(stream: list[Any]) -> str:
+        return "".join(e["choices"][0]["text"] for e in stream if isinstance(e, dict))
+
+    assert text(events) == text(undisturbed) and len(text(events)) > 0
+    assert metric_value(httpx.get(url + "/metrics").text, "tokenmill:request_migrations_total") == 1.0
+
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
