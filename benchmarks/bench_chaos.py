@@ -75,8 +75,8 @@ def latency_row(label: str, results: list[RequestResult], duration: float) -> li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-requests", type=int, default=800)
-    parser.add_argument("--request-rate", type=float, default=8.0)
+    parser.add_argument("--num-requests", type=int, default=500)
+    parser.add_argument("--request-rate", type=float, default=5.0)
     parser.add_argument("--kill-interval", type=float, nargs=2, default=(20.0, 30.0))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true")
@@ -117,6 +117,9 @@ def main() -> None:
                f"Failed requests under kills: {sum(not r.ok for r in chaos)}. Outputs equal to the undisturbed "
                f"run's: {equal} of {len(items)}. Requests moved: {migrations:.0f} "
                f"({len(moved)} client requests); the longest gap a moved stream saw: {1e3 * longest_moved:.0f} ms.")
+    errors = sorted({r.error or "" for r in chaos if not r.ok})
+    if errors:
+        summary += f" Errors: {'; '.join(e[:160] for e in errors[:3])}."
     print(table)
     print(summary)
     if not args.no_write:
