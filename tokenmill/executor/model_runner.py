@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Mapping
@@ -341,6 +342,10 @@ class ModelRunner:
             first += 1 + s.num_spec_tokens
         return torch.tensor(rows, dtype=torch.long)
 
+    def _generator_at(self, s: ScheduledRequest, row: int) -> torch.Generator:
+        """The generator for the `row`-th position this step verifies (output position + row)."""
+        return self._generator(s.request_id, s.sampling_params.seed, len(s.output_token_ids) + row)
+
     def _row_generator(self, s: ScheduledRequest) -> torch.Generator | None:
         if s.sampling_params.greedy:
             return None
@@ -371,7 +376,7 @@ class ModelRunner:
                 emitted = verify_greedy(block, proposed)
             else:
                 emitted = verify_random(random_probs(block, [s.sampling_params] * (k + 1)), proposed,
-                                        rows[first].generator)
+                                        functools.partial(self._generator_at, s))
             top_n = s.sampling_params.logprobs
             entries = [] if raw_logprobs is None or top_n is None else [
                 logprob_entry(raw_logprobs[first + j], token, top_n) for j, token in enumerate(emitted)]
