@@ -261,7 +261,6 @@ class AsyncLLM:
         if isinstance(message, CoreReport):
             if replica.state not in ("up", "stopping"):
                 return  # sent before it died: its requests have moved on
-
             self._on_report(replica, message)
         elif isinstance(message, CoreDeath):
             self._replica_down(replica, f"the engine stopped after an internal error: {message.message}")
@@ -358,14 +357,7 @@ class AsyncLLM:
             colocated = self.disaggregated
             if colocated:
                 self.handoffs.forget([c.request_id for c in children])  # no longer handed from engine to engine
-            group = HeldGroup(children, source.index, colocated)
-            if self._can_place(colocated):
-                self._place(group, count=True)
-            elif restartable:
-                self.migrations.moved(children, source.index, None)
-                self.migrations.hold(group)
-            else:
-                self._fail_requests([c.request_id for c in children], EngineDeadError(reason))
+            self._resume(HeldGroup(children, source.index, colocated), restartable, reason)
 
     def _prefill_on_consumer(self, child_ids: list[str], consumer: Replica) -> None:
         """A decode engine could not fetch these prompts' KV (their prefill engine died, or the transfer broke):
@@ -377,20 +369,29 @@ class AsyncLLM:
         if exhausted:
             self._fail_requests(exhausted, EngineDeadError("the prompt's KV could not be fetched"))
         for children in groups.values():
-            group = HeldGroup(children, consumer.index, colocated=True)
-            if self._can_place(True):
-                self._place(group, count=True)
-            else:
-                self.migrations.moved(children, consumer.index, None)
-                self.migrations.hold(group)
+            self._resume(HeldGroup(children, consumer.index, colocated=True), True,
+                         "the prompt's KV could not be fetched")
+
+    def _resume(self, group: HeldGroup, can_wait: bool, reason: str) -> None:
+        """Send moved requests on to a live engine; with none up, hold them if one may come (`can_wait`), or fail
+        them with `reason`."""
+        if self._can_place(group.colocated):
+            self._place(group, count=True)
+        elif can_wait:
+            self.migrations.moved(group.children, group.source, None)
+            self.migrations.hold(group)
+        else:
+            self._fail_requests([c.request_id for c in group.children], EngineDeadError(reason))
+
+    def _router_for(self, colocated: bool) -> Router:
+        """Disaggregated, a request run colocated goes to a decode engine; otherwise the first router decides."""
+        return self.decode_router if colocated and self.decode_router is not None else self.router
 
     def _can_place(self, colocated: bool) -> bool:
-        router = self.decode_router if colocated and self.decode_router is not None else self.router
-        return router.has_alive()
+        return self._router_for(colocated).has_alive()
 
     def _place(self, group: HeldGroup, count: bool) -> None:
-        router = self.decode_router if group.colocated and self.decode_router is not None else self.router
-        target = self._submit(router, group.children, group.children[0].prompt_token_ids)
+        target = self._submit(self._router_for(group.colocated), group.children, group.children[0].prompt_token_ids)
         if count:
             self.migrations.moved(group.children, group.source, target)
         else:
@@ -474,11 +475,8 @@ class AsyncLLM:
         self.output_processor.add(request_id, text, token_ids, children)
         if self.disaggregated and self.router.has_alive():  # the prompt runs on a prefill engine first
             self._submit(self.router, self.handoffs.start(children), token_ids)
-        elif self.disaggregated:  # no prefill engine is up: a decode engine runs it all (colocated)
-            assert self.decode_router is not None
-            self._submit(self.decode_router, children, token_ids)
-        else:
-            self._submit(self.router, children, token_ids)
+        else:  # colocated; disaggregated with no prefill engine up, a decode engine runs it all
+            self._submit(self._router_for(self.disaggregated), children, token_ids)
         return RequestStream(self, request_id, children, queue)
 
     def _submit(self, router: Router, children: list[Request], token_ids: list[int]) -> int:

@@ -108,11 +108,12 @@ class CoreLoop:
             record = StepRecord(record.step, record.seconds, record.stats, None, record.started)
         remote_kv = core.scheduler.remote_kv
         kv_loaded: list[tuple[str, int, float]] = []
-        load_failures: list[tuple[str, str]] = []
+        kv_failed: list[str] = []
         if remote_kv is not None:
             load_failures, remote_kv.failures = remote_kv.failures, []
             if load_failures:  # a consumer could not fetch these requests' KV (they were aborted here)
-                self._untrack([request_id for request_id, _ in load_failures])
+                kv_failed = [request_id for request_id, _ in load_failures]
+                self._untrack(kv_failed)
                 logger.warning("KV transfer failed for %d requests: %s", len(load_failures), load_failures[0][1])
             kv_loaded, remote_kv.loaded = remote_kv.loaded, []
         self.publish(CoreReport(
@@ -120,7 +121,7 @@ class CoreLoop:
             self._syncs(outputs) if self.mirror_requests else [], failed or [], error,
             [request_id for request_id, _ in rejected or []], rejected[0][1] if rejected else None,
             kv_loaded, core.connector.pending() if core.connector is not None else 0,
-            [request_id for request_id, _ in load_failures] if remote_kv is not None else [],
+            kv_failed,
         ))
 
     def _untrack(self, request_ids: list[str]) -> None:

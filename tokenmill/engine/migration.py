@@ -61,7 +61,6 @@ class Migrations:
         self.output_processor = output_processor
         self.limit = limit
         self.moves: dict[str, int] = {}  # engine request -> times moved so far
-        self.total = 0
         self.held: list[HeldGroup] = []
         self.listeners: list[MigrationListener] = []
 
@@ -72,20 +71,18 @@ class Migrations:
         exhausted: list[str] = []
         for child_id in child_ids:
             progress = self.output_processor.progress(child_id)
-            parent = self.output_processor.parent_of(child_id)
-            if progress is None or parent is None:
+            if progress is None:
                 continue  # finished or closed meanwhile: nothing to resume
             if self.moves.get(child_id, 0) >= self.limit:
                 exhausted.append(child_id)
                 continue
-            groups.setdefault(parent, []).append(resumed_request(progress))
+            groups.setdefault(progress.parent_id, []).append(resumed_request(progress))
         return groups, exhausted
 
     def moved(self, children: list[Request], source: int, target: int | None) -> None:
         """Count the move (once per request, also when it waits before going on) and tell the listeners."""
         for child in children:
             self.moves[child.request_id] = self.moves.get(child.request_id, 0) + 1
-            self.total += 1
             logger.warning("request %s moved from engine core %d to %s after %d tokens (move %d of at most %d)",
                            child.request_id, source, "the next core up" if target is None else f"engine core "
                            f"{target}", child.num_output_tokens, self.moves[child.request_id], self.limit)

@@ -40,6 +40,7 @@ class Progress:
     and the prompt logprobs, if they have arrived."""
 
     request: Request  # the front end's copy
+    parent_id: str  # the client request it belongs to
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     prompt_logprobs: list[dict[int, float] | None] | None  # entries for prompt tokens 1..
@@ -89,13 +90,9 @@ class OutputProcessor:
         if entry is None or entry[1].finished:
             return None
         parent, child = entry
-        return Progress(child.request, list(child.token_ids),
+        return Progress(child.request, parent.request_id, list(child.token_ids),
                         None if child.logprobs is None else list(child.logprobs),
                         None if parent.prompt_logprobs is None else parent.prompt_logprobs[1:])
-
-    def parent_of(self, child_id: str) -> str | None:
-        entry = self._child_to_parent.get(child_id)
-        return entry[0].request_id if entry else None
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)

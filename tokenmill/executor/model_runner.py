@@ -343,13 +343,11 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long)
 
     def _generator_at(self, s: ScheduledRequest, row: int) -> torch.Generator:
-        """The generator for the `row`-th position this step verifies (output position + row)."""
+        """The request's generator for the `row`-th position this step samples (its output position + row)."""
         return self._generator(s.request_id, s.sampling_params.seed, len(s.output_token_ids) + row)
 
     def _row_generator(self, s: ScheduledRequest) -> torch.Generator | None:
-        if s.sampling_params.greedy:
-            return None
-        return self._generator(s.request_id, s.sampling_params.seed, len(s.output_token_ids))
+        return None if s.sampling_params.greedy else self._generator_at(s, 0)
 
     def _verify(self, sampled: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
         """A step with proposed tokens: each request's 1 + k rows are processed as the k + 1 positions they are
