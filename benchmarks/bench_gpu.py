@@ -105,7 +105,7 @@ def main() -> None:
     kv_token_bytes = runner.kv_cache_bytes // (runner.num_kv_blocks * runner.block_size)
     bandwidth = copy_bandwidth(device)
     lines = [f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-             f"shape {args.shape}, linear layers `{runner.quantization}`, KV `{runner.kv_dtype}`, weights "
+             f"shape {args.shape}, linear layers `{runner.quantization}`, KV `{runner.kv_format.name}`, weights "
              f"{weight_bytes / 2**30:.2f} GiB, copy bandwidth {bandwidth:.0f} GB/s; decode steps "
              f"{'replay CUDA graphs' if runner.decode_graphs is not None else 'eager (no CUDA graphs here)'}", "",
              "| step | tok/s | step ms | bytes read / step time, share of copy bandwidth | eager tok/s | "

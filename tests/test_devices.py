@@ -35,11 +35,11 @@ def test_kv_cache_is_bf16_under_bf16_linears_where_triton_reads_it(monkeypatch: 
     monkeypatch.setattr(triton_ops, "triton_usable", lambda device: device.type == "cuda")
     config = EngineConfig(device="cuda")
     assert model_runner.linear_mode(config) == "bf16"
-    assert model_runner.kv_cache_dtype(config, MODEL) == torch.bfloat16
-    assert model_runner.kv_cache_dtype(EngineConfig(device="cuda", quantization="none"), MODEL) == torch.float32
+    assert model_runner.kv_cache_format(config, MODEL).name == "bfloat16"
+    assert model_runner.kv_cache_format(EngineConfig(device="cuda", quantization="none"), MODEL).name == "float32"
     monkeypatch.setattr(triton_ops, "triton_usable", lambda device: False)  # torch fallback: the model's dtype
-    assert model_runner.kv_cache_dtype(config, MODEL) == torch.float32
-    assert model_runner.kv_cache_dtype(EngineConfig(device="cuda", dtype="bfloat16"), MODEL) == torch.bfloat16
+    assert model_runner.kv_cache_format(config, MODEL).name == "float32"
+    assert model_runner.kv_cache_format(EngineConfig(device="cuda", dtype="bfloat16"), MODEL).name == "bfloat16"
 
 
 def test_triton_layer_selection_needs_cuda_and_tileable_shapes(monkeypatch: pytest.MonkeyPatch) -> None:

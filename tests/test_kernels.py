@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tokenmill import kernels
-from tokenmill.model import attention
-from tokenmill.model.attention import AttentionMetadata, allocate_kv_cache, paged_attention, write_kv
+from tokenmill.model import attention, kv_quant
+from tokenmill.model.attention import AttentionMetadata, allocate_layer_kv, paged_attention
+from tokenmill.model.kv_quant import format_of, kv_format
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                 reason="no C compiler on this machine: the torch fallback serves instead")
@@ -27,9 +28,17 @@ class Batch:
         self.heads, self.block_size, self.seqs = heads, block_size, seqs
         max_blocks = max(-(-n // block_size) for _, n in seqs)
         num_blocks = len(seqs) * max_blocks + 2
-        self.k_cache, self.v_cache = allocate_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype, CPU)
-        self.k_cache.normal_(generator=gen)
-        self.v_cache.normal_(generator=gen)
+        fmt = format_of(torch.empty(0, dtype=dtype))
+        self.cache = allocate_layer_kv(num_blocks, block_size, kv_heads, head_dim, fmt, CPU)
+        for values, scales in ((self.cache.k, self.cache.k_scale), (self.cache.v, self.cache.v_scale)):
+            random = torch.randn(values.shape, generator=gen)
+            if scales is None:
+                values.copy_(random)
+            else:  # each token-head vector quantized: K's run along dimension 2, V's along the last
+                along_last = random if values is self.cache.v else random.transpose(2, 3)
+                q, s = kv_quant.quantize(along_last, fmt)
+                values.copy_(q if values is self.cache.v else q.transpose(2, 3))
+                scales.copy_(s)
         order = np.random.RandomState(seed).permutation(num_blocks)[: len(seqs) * max_blocks]
         self.tables = order.reshape(len(seqs), max_blocks).astype(np.int64)
         tokens = sum(q for q, _ in seqs)
@@ -47,8 +56,8 @@ class Batch:
 
     def run(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             window: int | None = None) -> torch.Tensor:
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, meta, q.shape[-1] ** -0.5, window)
+        kv_quant.write(self.cache, k, v, meta.slot_mapping)
+        return paged_attention(q, k, v, self.cache, meta, q.shape[-1] ** -0.5, window)
 
 
 SHAPES = [
@@ -63,7 +72,7 @@ def test_native_attention_matches_the_torch_reference(heads, kv_heads, head_dim,
                                                       monkeypatch) -> None:  # noqa: ANN001
     batch = Batch(0, heads, kv_heads, head_dim, block_size, seqs)
     meta = batch.meta()
-    supported = kernels.attention_supported(batch.q, batch.q.shape[1], batch.k_cache)
+    supported = kernels.attention_supported(batch.q, batch.q.shape[1], batch.cache)
     assert supported, "the kernel did not build on a machine with gcc"
     native = batch.run(meta, batch.q, batch.k, batch.v)
     monkeypatch.setattr(attention.kernels, "attention_supported", lambda *_: False)
@@ -97,7 +106,7 @@ def test_native_attention_over_bf16_caches_matches_the_torch_reference(heads, kv
     """Full and sliding-window layers (Gemma 3's)."""
     batch = Batch(4, heads, kv_heads, head_dim, 16, seqs, torch.bfloat16)
     meta = batch.meta()
-    assert kernels.attention_supported(batch.q, heads, batch.k_cache)
+    assert kernels.attention_supported(batch.q, heads, batch.cache)
     native = batch.run(meta, batch.q, batch.k, batch.v, window)
     monkeypatch.setattr(attention.kernels, "attention_supported", lambda *_: False)
     # the reference reads the new tokens' K/V unrounded where a sequence has no cached context: round them too
@@ -106,7 +115,7 @@ def test_native_attention_over_bf16_caches_matches_the_torch_reference(heads, kv
     torch.testing.assert_close(native, reference, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_a_token_gets_bit_identical_attention_whatever_its_chunk_or_batch(dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16 and not kernels.attention_bf16_available():
         pytest.skip("no AVX-512: bf16 caches take the torch path")
@@ -129,7 +138,7 @@ def test_a_token_gets_bit_identical_attention_whatever_its_chunk_or_batch(dtype:
         assert torch.equal(alone.run(meta, alone.q[rows], alone.k[rows], alone.v[rows]), whole[rows])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_decode_attention_is_bit_identical_whether_a_task_takes_one_kv_head_or_all(dtype: torch.dtype) -> None:
     """With enough decodes for the threads, one task takes all of a sequence's kv heads (kernel docstring);
     with more threads than decodes, one kv head each: the same numbers either way."""
@@ -150,12 +159,13 @@ def test_decode_attention_is_bit_identical_whether_a_task_takes_one_kv_head_or_a
 
 def test_unsupported_shapes_fall_back() -> None:
     query = torch.randn(2, 128, 64)
-    k_cache, _ = allocate_kv_cache(4, 16, 1, 64, torch.float32, CPU)
-    assert not kernels.attention_supported(query, 128, k_cache)  # 128 query heads per kv head > 64
-    k_cache, _ = allocate_kv_cache(4, 128, 8, 64, torch.float32, CPU)
-    assert not kernels.attention_supported(torch.randn(2, 8, 64), 8, k_cache)  # blocks of 128 tokens > 64
-    k_cache, _ = allocate_kv_cache(4, 16, 8, 64, torch.float64, CPU)
-    assert not kernels.attention_supported(torch.randn(2, 8, 64).double(), 8, k_cache)
+    float32 = kv_format("float32")
+    cache = allocate_layer_kv(4, 16, 1, 64, float32, CPU)
+    assert not kernels.attention_supported(query, 128, cache)  # 128 query heads per kv head > 64
+    cache = allocate_layer_kv(4, 128, 8, 64, float32, CPU)
+    assert not kernels.attention_supported(torch.randn(2, 8, 64), 8, cache)  # blocks of 128 tokens > 64
+    cache = allocate_layer_kv(4, 16, 8, 64, kv_format("float16"), CPU)
+    assert not kernels.attention_supported(torch.randn(2, 8, 64), 8, cache)  # float16: the torch path
 
 
 def test_fused_layer_ops_match_the_torch_path() -> None:
@@ -180,18 +190,20 @@ def test_fused_layer_ops_match_the_torch_path() -> None:
     angles = positions[:, None].float() * torch.rand(head_dim // 2)[None, :]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     slots = torch.randperm(8 * block)[:rows]
-    k_cache, v_cache = allocate_kv_cache(8, block, kv_heads, head_dim, torch.float32, CPU)
-    q = kernels.rope_and_cache(qkv, heads, kv_heads, cos, sin, slots, k_cache, v_cache)
+    q = kernels.rope_and_cache(qkv, heads, kv_heads, cos, sin, slots,
+                               allocate_layer_kv(8, block, kv_heads, head_dim, kv_format("float32"), CPU))
     q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     q_ref = apply_rope(q_ref.reshape(rows, heads, head_dim), cos[:, None], sin[:, None])
     k_ref = apply_rope(k_ref.reshape(rows, kv_heads, head_dim), cos[:, None], sin[:, None])
     assert torch.equal(q, q_ref)
-    for dtype in (torch.float32, torch.bfloat16):  # bf16 caches: rounded to nearest even, as torch converts
-        k_cache, v_cache = allocate_kv_cache(8, block, kv_heads, head_dim, dtype, CPU)
-        kernels.rope_and_cache(qkv, heads, kv_heads, cos, sin, slots, k_cache, v_cache)
-        ref_k_cache, ref_v_cache = allocate_kv_cache(8, block, kv_heads, head_dim, dtype, CPU)
-        write_kv(ref_k_cache, ref_v_cache, k_ref, v_ref.reshape(rows, kv_heads, head_dim), slots)
-        assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    # bf16 caches: rounded to nearest even, as torch converts; 8-bit ones quantized as kv_quant.quantize does
+    for name in ("float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"):
+        cache = allocate_layer_kv(8, block, kv_heads, head_dim, kv_format(name), CPU)
+        kernels.rope_and_cache(qkv, heads, kv_heads, cos, sin, slots, cache)
+        expected = allocate_layer_kv(8, block, kv_heads, head_dim, kv_format(name), CPU)
+        kv_quant.write(expected, k_ref, v_ref.reshape(rows, kv_heads, head_dim), slots)
+        for got, want in zip(cache.tensors, expected.tensors, strict=True):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 
     gate_up = torch.randn(rows, 2 * 1536) * 3
     gate, up = gate_up.split(1536, -1)

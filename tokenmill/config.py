@@ -81,7 +81,8 @@ class ModelConfig:
 # ModelConfig.rope_cache_key of a longrope sequence past the original context (its KV rotated with the long
 # factors); the scheduler salts a sequence that crosses it while generating the same way
 LONG_ROPE_CACHE_KEY = 1
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_LORA_RANK = 256  # kernels/lora.c keeps a tile's rank-sized intermediates on the stack
 
 
@@ -102,7 +103,8 @@ class EngineConfig:
     quantization: str = "auto"
     # KV cache element type (vLLM's --kv-cache-dtype): "auto" = bfloat16 where the linears are quantized and the
     # native attention kernel reads bf16 (half the bytes every decode step reads; measured on the quality gate),
-    # else the model's dtype; "float32"/"bfloat16"/"float16" explicitly.
+    # else the model's dtype; "float32"/"bfloat16"/"float16" explicitly, or 8 bits with a scale per token and KV
+    # head: "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2" (model/kv_quant.py).
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     # KV cache size: an explicit block count wins over a memory budget.
@@ -174,7 +176,7 @@ class EngineConfig:
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "bf16", "gguf"):
             raise ValueError(f"quantization must be auto, none, int8, bf16 or gguf, got {self.quantization!r}")
         if self.kv_role not in (None, "producer", "consumer"):
@@ -187,8 +189,8 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if self.lora_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"lora_dtype must be one of {KV_CACHE_DTYPES}, got {self.lora_dtype!r}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         if self.enable_lora and self.kv_role is not None:
             raise ValueError("LoRA adapters are not supported with prefill/decode disaggregation")
         if self.priority_aging_per_s < 0:

@@ -26,7 +26,8 @@ from tokenmill.executor.sampler import Sampler, SamplingRow, logprob_entries, lo
 from tokenmill.kernels import triton_ops
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora.request import LoRARequest
-from tokenmill.model.attention import AttentionMetadata, allocate_kv_cache
+from tokenmill.model.attention import AttentionMetadata, allocate_layer_kv
+from tokenmill.model.kv_quant import KVFormat, kv_format
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.metadata import resolve_model_path
 from tokenmill.model.quant import resolve_quantization
@@ -50,9 +51,9 @@ class Executor(Protocol):
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
-def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+def kv_bytes_per_block(model: ModelConfig, block_size: int, fmt: KVFormat) -> int:
+    """Bytes of one block over all layers: K and V values, and their scales in an 8-bit format."""
+    return 2 * model.num_layers * block_size * model.num_kv_heads * fmt.bytes_per_token_head(model.head_dim)
 
 
 def linear_mode(config: EngineConfig) -> str:
@@ -67,16 +68,22 @@ def linear_mode(config: EngineConfig) -> str:
                                 gguf_weights=resolve_model_path(config.model).endswith(".gguf"))
 
 
-def kv_cache_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
+def kv_cache_format(config: EngineConfig, model: ModelConfig) -> KVFormat:
     """--kv-cache-dtype resolved. `auto`: bf16 under quantized linears where the native attention kernel reads
     bf16 caches (half the bytes a decode step reads; top-1 agreement with float32 moved 97.48% -> 97.42% on the
-    quality gate), else the model's dtype, so `--quantization none` stays exact."""
+    quality gate), else the model's dtype, so `--quantization none` stays exact. 8-bit formats are explicit
+    (docs/BENCHMARKS.md, "KV cache dtypes": what they measure against bf16 here)."""
     if config.kv_cache_dtype != "auto":
-        return _DTYPES[config.kv_cache_dtype]
+        fmt = kv_format(config.kv_cache_dtype)
+        device = torch.device(config.device)
+        if fmt.scaled and device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} runs on cpu and cuda, not {device.type}; "
+                             f"choices there: float32, bfloat16, float16")
+        return fmt
     device = torch.device(config.device)
     native_bf16 = ((device.type == "cpu" and kernels.bf16_cache_supported(model.head_dim, config.block_size))
                    or triton_ops.attention_kernel_serves(device, model.head_dim, config.block_size))
-    return torch.bfloat16 if linear_mode(config) != "none" and native_bf16 else _DTYPES[config.dtype]
+    return kv_format("bfloat16" if linear_mode(config) != "none" and native_bf16 else config.dtype)
 
 
 def lora_dtype(config: EngineConfig) -> torch.dtype:
@@ -93,7 +100,7 @@ def num_kv_blocks_for(config: EngineConfig, model: ModelConfig) -> int:
     else --kv-cache-memory-gb."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model, config.block_size, kv_cache_dtype(config, model))
+    per_block = kv_bytes_per_block(model, config.block_size, kv_cache_format(config, model))
     device = torch.device(config.device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -121,9 +128,9 @@ class ModelRunner:
         self.dtype = _DTYPES[config.dtype]
         self.block_size = config.block_size
         self.quantization = linear_mode(config)
-        self.kv_dtype = kv_cache_dtype(config, model_config)
+        self.kv_format = kv_cache_format(config, model_config)
         logger.info("linear layers: %s (--quantization %s), KV cache %s, %d threads", self.quantization,
-                    config.quantization, str(self.kv_dtype).removeprefix("torch."), torch.get_num_threads())
+                    config.quantization, self.kv_format.name, torch.get_num_threads())
         if self.device.type == "cpu":
             logger.info(kernels.prepare())
         model = LlamaForCausalLM(model_config, self.quantization)
@@ -135,8 +142,8 @@ class ModelRunner:
         # one block past the pool, never handed out: the padding rows of a captured decode batch write there
         self.scratch_block = self.num_kv_blocks
         self.kv_caches = [
-            allocate_kv_cache(self.num_kv_blocks + 1, config.block_size, model_config.num_kv_heads,
-                              model_config.head_dim, self.kv_dtype, self.device)
+            allocate_layer_kv(self.num_kv_blocks + 1, config.block_size, model_config.num_kv_heads,
+                              model_config.head_dim, self.kv_format, self.device)
             for _ in range(model_config.num_layers)
         ]
         # multi-LoRA: the adapters' slots are attached before the caches, so the native stack adds them too
@@ -146,7 +153,7 @@ class ModelRunner:
                                     lora_dtype(config))
             self.model.attach_lora(self.lora.slots, self.lora.context)
         self.model.bind_kv_caches(self.kv_caches)
-        self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype) * self.num_kv_blocks
+        self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.kv_format) * self.num_kv_blocks
         self.max_model_len = min(config.max_model_len or model_config.max_context_len, model_config.max_context_len)
         self.decode_graphs: DecodeGraphs | None = None
         reason = eager_reason(config, model_config)
@@ -179,27 +186,42 @@ class ModelRunner:
         return config.rope_scaling.length_threshold(config.max_position_embeddings)
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The KV of these blocks, [blocks, layers, 2 (K, V), elements], for a KV connector to move."""
+        """The KV of these blocks, [blocks, layers, 2 (K, V), elements], for a KV connector to move. An 8-bit
+        cache moves as it is stored: each of K and V as raw bytes, its values and then its scales."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([torch.stack([k[index].reshape(len(block_ids), -1), v[index].reshape(len(block_ids), -1)],
-                                        dim=1) for k, v in self.kv_caches], dim=1).cpu()
+        count = len(block_ids)
+
+        def part(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+            flat = values[index].reshape(count, -1)
+            if scales is None:
+                return flat
+            return torch.cat([flat.view(torch.uint8), scales[index].reshape(count, -1).view(torch.uint8)], dim=1)
+
+        return torch.stack([torch.stack([part(c.k, c.k_scale), part(c.v, c.v_scale)], dim=1)
+                            for c in self.kv_caches], dim=1).cpu()
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Store blocks read by `read_kv_blocks` (on another engine) into these blocks, between steps (the KV
-        loader calls it from the engine's thread). On CPU the copy is numpy's, as raw bytes, so any cache dtype
-        goes."""
-        data = data.to(self.device, self.kv_caches[0][0].dtype)
-        if self.device.type != "cpu":
-            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            for layer, (k, v) in enumerate(self.kv_caches):
-                k[index] = data[:, layer, 0].reshape(len(block_ids), *k.shape[1:])
-                v[index] = data[:, layer, 1].reshape(len(block_ids), *v.shape[1:])
-            return
-        index_np = np.asarray(block_ids, dtype=np.int64)
-        for layer, caches in enumerate(self.kv_caches):
-            for which, cache in enumerate(caches):
-                target = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()
-                target[index_np] = data[:, layer, which].contiguous().view(torch.uint8).numpy()
+        loader calls it from the engine's thread). Float KV converts to this cache's dtype; an 8-bit cache takes
+        only the bytes of its own format."""
+        block_bytes = self.kv_caches[0].block_bytes // 2
+        if self.kv_format.scaled or data.dtype == torch.uint8:
+            if data.dtype != torch.uint8 or data.shape[-1] != block_bytes:
+                raise ValueError(f"KV blocks of {data.dtype} x {data.shape[-1]} do not fit this engine's "
+                                 f"{self.kv_format.name} cache ({block_bytes} bytes of K per block and layer)")
+        else:
+            data = data.to(self.kv_caches[0].k.dtype)
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for layer, cache in enumerate(self.kv_caches):
+            for which, tensors in enumerate(((cache.k, cache.k_scale), (cache.v, cache.v_scale))):
+                source = data[:, layer, which].contiguous().view(torch.uint8)
+                start = 0
+                for tensor in tensors:
+                    if tensor is None:
+                        continue
+                    flat = tensor.view(tensor.shape[0], -1).view(torch.uint8)  # raw bytes: any dtype goes
+                    flat[index.to(tensor.device)] = source[:, start:start + flat.shape[1]].to(tensor.device)
+                    start += flat.shape[1]
 
     def _generator(self, request_id: str, seed: int | None, position: int) -> torch.Generator:
         """The request's generator, seeded for the output token at `position`: its draws depend on (seed,

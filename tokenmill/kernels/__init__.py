@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tokenmill.model.kv_quant import LayerKV
 from tokenmill.platform import cache_root, cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 @functools.cache
 def _attention_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return _function("paged_attention", "paged_attention", [_PTR] * 7 + [_I64] * 8 + [_F32, _I64, _I64])
+    return _function("paged_attention", "paged_attention", [_PTR] * 9 + [_I64] * 8 + [_F32, _I64, _I64])
 
 
 @functools.cache
@@ -175,7 +176,7 @@ def _layer_fns() -> _LayerFns | None:
     fns = (
         _function("layer_ops", "add_rms_norm", [_PTR, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64]),
         _function("layer_ops", "rope_and_cache", [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
-                                                  _PTR, _PTR, _PTR, _I64]),
+                                                  _PTR, _PTR, _PTR, _PTR, _PTR, _I64]),
         _function("layer_ops", "silu_and_mul", [_PTR, _I64, _I64, _PTR]),
         _function("layer_ops", "gelu_tanh_and_mul", [_PTR, _I64, _I64, _PTR]),
         _function("layer_ops", "rms_norm_heads", [_PTR, _I64, _I64, _I64, _I64, _PTR, _F32]),
@@ -211,20 +212,30 @@ def rms_norm_heads(x: torch.Tensor, heads: int, weight: torch.Tensor, eps: float
     fns.rms_norm_heads(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, weight.data_ptr(), eps)
 
 
+def _cache_pointers(cache: LayerKV) -> tuple[int, int, int | None, int | None, int]:
+    """(K, V, K scales or None, V scales or None, format code) of a layer's cache, for the kernels (kv_formats.h)."""
+    assert cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.dtype == cache.v.dtype
+    kind = cache.format.kind
+    assert kind >= 0, f"the native kernels do not read a {cache.k.dtype} cache"
+    if cache.k_scale is None or cache.v_scale is None:
+        return cache.k.data_ptr(), cache.v.data_ptr(), None, None, kind
+    assert cache.k_scale.is_contiguous() and cache.v_scale.is_contiguous()
+    return cache.k.data_ptr(), cache.v.data_ptr(), cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), kind
+
+
 def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                   slot_mapping: torch.Tensor, cache: LayerKV) -> torch.Tensor:
     """RoPE on q and k of the fused projection [T, (heads + 2 kv_heads) * head_dim]; k and v go to their cache
-    slots; returns q [T, heads, head_dim]. cos, sin: [T, head_dim] rows of this step's positions."""
+    slots (quantized as they are written in an 8-bit format); returns q [T, heads, head_dim]. cos, sin:
+    [T, head_dim] rows of this step's positions."""
     fns = _layer_fns()
     tokens, head_dim = qkv.shape[0], cos.shape[-1]
     assert fns is not None and qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
-    assert slot_mapping.dtype == torch.int64 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert head_dim <= MAX_HEAD_DIM
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+    assert slot_mapping.dtype == torch.int64 and head_dim <= MAX_HEAD_DIM
     q = torch.empty(tokens, num_heads, head_dim)
     fns.rope_and_cache(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-                       sin.data_ptr(), slot_mapping.data_ptr(), k_cache.shape[3], k_cache.data_ptr(),
-                       v_cache.data_ptr(), q.data_ptr(), int(k_cache.dtype == torch.bfloat16))
+                       sin.data_ptr(), slot_mapping.data_ptr(), cache.k.shape[3], *_cache_pointers(cache)[:4],
+                       q.data_ptr(), cache.format.kind)
     return q
 
 
@@ -490,14 +501,14 @@ def bf16_cache_supported(head_dim: int, block_size: int) -> bool:
     return block_size == 16 and head_dim % 64 == 0 and attention_bf16_available()
 
 
-def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tensor) -> bool:
-    """Whether the native kernel takes a float32 CPU `query` of `num_heads` heads over this K cache (shapes
-    within its compiled limits; bf16 caches only on its AVX-512 path), with or without a sliding window."""
+def attention_supported(query: torch.Tensor, num_heads: int, cache: LayerKV) -> bool:
+    """Whether the native kernel takes a float32 CPU `query` of `num_heads` heads over this layer's cache (shapes
+    within its compiled limits; float32 and 8-bit caches everywhere, bf16 only on its AVX-512 path), with or
+    without a sliding window."""
+    k_cache = cache.k
     num_kv_heads, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    if k_cache.dtype == torch.bfloat16:
-        cache_ok = bf16_cache_supported(head_dim, block_size)
-    else:
-        cache_ok = k_cache.dtype == torch.float32
+    bf16 = k_cache.dtype == torch.bfloat16
+    cache_ok = bf16_cache_supported(head_dim, block_size) if bf16 else cache.format.kind >= 0
     return (
         query.device.type == "cpu" and query.dtype == torch.float32 and cache_ok
         and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK
@@ -505,9 +516,9 @@ def attention_supported(query: torch.Tensor, num_heads: int, k_cache: torch.Tens
     )
 
 
-def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, window: int | None = None) -> None:
+def paged_attention(out: torch.Tensor, query: torch.Tensor, cache: LayerKV, query_start: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    window: int | None = None) -> None:
     """Causal attention of every query row over its sequence's cached keys (this step's K/V already written).
 
     Sequence s owns query rows query_start[s]..query_start[s+1] (its last q_len tokens) and has seq_lens[s]
@@ -518,17 +529,16 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     """
     fn = _attention_fn()
     assert fn is not None, "check attention_supported() first"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     for index in (query_start, seq_lens, block_tables):
         assert index.dtype == torch.int64 and index.is_contiguous()
     assert query.stride(2) == out.stride(2) == 1 and query.stride(1) == out.stride(1) == query.shape[2]
     heads, head_dim = query.shape[1], query.shape[2]
     if window is not None and window < 1:
         raise ValueError("windowed native attention needs window >= 1")
-    fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), query_start.data_ptr(),
-       seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], heads,
-       k_cache.shape[1], head_dim, k_cache.shape[3], query.stride(0), out.stride(0), scale,
-       int(k_cache.dtype == torch.bfloat16), window or 0)
+    *pointers, kind = _cache_pointers(cache)
+    fn(out.data_ptr(), query.data_ptr(), *pointers, query_start.data_ptr(), seq_lens.data_ptr(),
+       block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], heads, cache.k.shape[1], head_dim,
+       cache.k.shape[3], query.stride(0), out.stride(0), scale, kind, window or 0)
 
 
 class LinearPointers(ctypes.Structure):
@@ -552,8 +562,11 @@ class DecoderLayerPointers(ctypes.Structure):
 
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), *((name, LinearPointers) for name in
                 ("qkv", "o", "gate_up", "down")), ("qkv_bias", _PTR), ("k_cache", _PTR), ("v_cache", _PTR),
-                ("q_norm", _PTR), ("k_norm", _PTR), ("attn_out_norm", _PTR), ("mlp_out_norm", _PTR),
-                ("window", _I64), ("local_rope", _I64)]
+                ("k_scale", _PTR), ("v_scale", _PTR), ("q_norm", _PTR), ("k_norm", _PTR), ("attn_out_norm", _PTR),
+                ("mlp_out_norm", _PTR), ("window", _I64), ("local_rope", _I64)]
+
+    def set_cache(self, cache: LayerKV) -> None:
+        self.k_cache, self.v_cache, self.k_scale, self.v_scale, _ = _cache_pointers(cache)
 
 
 @functools.cache
@@ -581,11 +594,12 @@ def decoder_forward(layers: ctypes.Array, dims: tuple[int, int, int, int, int], 
                     work: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                     local_rope: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor, block_size: int,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                    kv_bf16: bool, gelu: bool, lora: LoRABatchPointers | None = None) -> torch.Tensor:
+                    kv_kind: int, gelu: bool, lora: LoRABatchPointers | None = None) -> torch.Tensor:
     """Every decoder layer over a flat batch in one call. dims = (hidden, heads, kv_heads, head_dim,
     intermediate); residual [T, hidden] float32: the embeddings in, the residual stream out (in place); work: at
     least T * decoder_work_floats(...) floats; rope and local_rope: (cos, sin) rows [T, head_dim] of the layers
-    without and with `local_rope`; gelu: GeGLU MLPs. Returns the last layer's MLP output [T, hidden]."""
+    without and with `local_rope`; kv_kind: the caches' format (kv_formats.h); gelu: GeGLU MLPs. Returns the
+    last layer's MLP output [T, hidden]."""
     fn = _decoder_fn()
     hidden, heads, kv_heads, head_dim, intermediate = dims
     tokens = residual.shape[0]
@@ -599,7 +613,7 @@ def decoder_forward(layers: ctypes.Array, dims: tuple[int, int, int, int, int], 
        residual.data_ptr(), x_out.data_ptr(), work.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(),
        local_rope[0].data_ptr(), local_rope[1].data_ptr(), slot_mapping.data_ptr(), block_size,
        query_start.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1],
-       scale, int(kv_bf16), int(gelu), None if lora is None else ctypes.addressof(lora))
+       scale, kv_kind, int(gelu), None if lora is None else ctypes.addressof(lora))
     return x_out
 
 

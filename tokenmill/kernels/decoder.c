@@ -32,6 +32,7 @@ typedef struct {
     Linear qkv, o, gate_up, down;
     const float *qkv_bias;  // [q + 2 kv] or NULL
     void *k_cache, *v_cache;
+    uint16_t *k_scale, *v_scale;  // 8-bit caches: a bf16 scale per token and KV head (else NULL)
     const float *q_norm, *k_norm;  // [head_dim] QK-norm weights (Gemma 3, Qwen3), or NULL
     const float *attn_out_norm, *mlp_out_norm;  // [hidden] Gemma's sandwich norms, or NULL
     int64_t window;  // > 0: a sliding-window layer (keys a query sees, itself included)
@@ -75,7 +76,7 @@ void decoder_forward(const DecoderLayer *layers, int64_t num_layers, int64_t tok
                      float *residual, float *x_out, float *work, const float *cos, const float *sin,
                      const float *local_cos, const float *local_sin, const int64_t *slots, int64_t block_size,
                      const int64_t *query_start, const int64_t *seq_lens, const int64_t *block_tables,
-                     int64_t num_seqs, int64_t max_blocks, float scale, int64_t kv_bf16, int64_t gelu,
+                     int64_t num_seqs, int64_t max_blocks, float scale, int64_t kv_kind, int64_t gelu,
                      const LoRABatch *lora) {
     const int64_t q_width = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
     float *h = work, *qkv = h + tokens * hidden, *q = qkv + tokens * qkv_width, *attn = q + tokens * q_width;
@@ -89,11 +90,11 @@ void decoder_forward(const DecoderLayer *layers, int64_t num_layers, int64_t tok
             rms_norm_heads(qkv + q_width, qkv_width, tokens, kv_heads, head_dim, layer->k_norm, eps);
         }
         rope_and_cache(qkv, qkv_width, tokens, heads, kv_heads, head_dim, layer->local_rope ? local_cos : cos,
-                       layer->local_rope ? local_sin : sin, slots, block_size, layer->k_cache, layer->v_cache, q,
-                       kv_bf16);
-        paged_attention(attn, q, layer->k_cache, layer->v_cache, query_start, seq_lens, block_tables, num_seqs,
-                        max_blocks, heads, kv_heads, head_dim, block_size, q_width, q_width, scale, kv_bf16,
-                        layer->window);
+                       layer->local_rope ? local_sin : sin, slots, block_size, layer->k_cache, layer->v_cache,
+                       layer->k_scale, layer->v_scale, q, kv_kind);
+        paged_attention(attn, q, layer->k_cache, layer->v_cache, layer->k_scale, layer->v_scale, query_start,
+                        seq_lens, block_tables, num_seqs, max_blocks, heads, kv_heads, head_dim, block_size, q_width,
+                        q_width, scale, kv_kind, layer->window);
         linear(&layer->o, attn, tokens, q_width, NULL, o, hidden, lora);
         if (layer->attn_out_norm) add_rms_norm(o, NULL, 0, layer->attn_out_norm, eps, o, tokens, hidden);
         add_rms_norm(residual, o, hidden, layer->post_norm, eps, h, tokens, hidden);

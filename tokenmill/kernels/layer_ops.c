@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kv_formats.h"
 #include "vec_exp.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
@@ -64,11 +65,12 @@ static inline uint16_t to_bf16(float x) {
 // From the fused qkv projection [tokens, (heads + 2 kv_heads) * head_dim] (rows of qkv_stride floats) and the
 // cos/sin rows [tokens, head_dim] of each token's position: q with RoPE into q_out [tokens, heads * head_dim];
 // k with RoPE and v written to their cache slots (layouts of model/attention.py: K [blocks, kv_heads, head_dim,
-// block], V [blocks, kv_heads, block, head_dim]), as float32 or, with kv_bf16, as bf16.
+// block], V [blocks, kv_heads, block, head_dim]) in the cache's format (kv_formats.h): float32, bf16, or 8 bits
+// with each head-vector's scale into k_scale / v_scale [blocks, kv_heads, block].
 void rope_and_cache(const float *qkv, int64_t qkv_stride, int64_t tokens, int64_t heads, int64_t kv_heads,
                     int64_t head_dim, const float *cos_table, const float *sin_table,
-                    const int64_t *slots, int64_t block_size, void *k_cache, void *v_cache, float *q_out,
-                    int64_t kv_bf16) {
+                    const int64_t *slots, int64_t block_size, void *k_cache, void *v_cache, uint16_t *k_scale,
+                    uint16_t *v_scale, float *q_out, int64_t kv_kind) {
 #pragma omp parallel for if (tokens * (heads + 2 * kv_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < tokens; ++t) {
         const float *row = qkv + t * qkv_stride;
@@ -82,7 +84,11 @@ void rope_and_cache(const float *qkv, int64_t qkv_stride, int64_t tokens, int64_
             const float *v = row + (heads + kv_heads + h) * head_dim;
             const int64_t k_at = (block * kv_heads + h) * head_dim * block_size + offset;  // then + d * block
             const int64_t v_at = ((block * kv_heads + h) * block_size + offset) * head_dim;
-            if (kv_bf16) {
+            if (kv_scaled(kv_kind)) {
+                const int64_t scale_at = (block * kv_heads + h) * block_size + offset;
+                k_scale[scale_at] = quantize_kv(k, head_dim, kv_kind, (uint8_t *)k_cache + k_at, block_size);
+                v_scale[scale_at] = quantize_kv(v, head_dim, kv_kind, (uint8_t *)v_cache + v_at, 1);
+            } else if (kv_kind == KV_BF16) {
                 uint16_t *k_dst = (uint16_t *)k_cache + k_at, *v_dst = (uint16_t *)v_cache + v_at;
                 for (int64_t d = 0; d < head_dim; ++d) k_dst[d * block_size] = to_bf16(k[d]);
                 for (int64_t d = 0; d < head_dim; ++d) v_dst[d] = to_bf16(v[d]);

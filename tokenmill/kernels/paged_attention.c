@@ -3,7 +3,9 @@
 //
 // Cache layout (model/attention.py): K [num_blocks, num_kv_heads, head_dim, block_size] (each block's keys
 // transposed, so one block's scores are a vector over its tokens) and V [num_blocks, num_kv_heads, block_size,
-// head_dim].
+// head_dim], as float32, bf16 or an 8-bit format with a bf16 scale per token and KV head ([num_blocks,
+// num_kv_heads, block_size]; kv_formats.h). 8-bit values are dequantized in registers (AVX-512) or a block at
+// a time into an L1 tile (the generic path): never a float copy of the cache.
 //
 // Every query row is computed by the same sequence of float operations, whatever its batch: keys in block
 // order, an online softmax updated once per key block, each score a sequential sum over head_dim (vectorized
@@ -20,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_formats.h"
 #include "vec_exp.h"
 
 #define MAX_TILE 64  // (query rows x heads per kv head) handled by one task
@@ -92,36 +95,56 @@ static inline void accumulate64(float *acc, float correction, const float *p, co
 // is float32.
 int paged_attention_bf16_available(void) { return 1; }
 
-static inline __attribute__((always_inline)) __m512 load_kv(const void *base, int64_t index, const int bf16) {
-    if (bf16) {
+// 16 consecutive stored values as float32: exact for float32/bf16; an 8-bit value before its scale (e4m3
+// through its float16 bit pattern, which is the value / 256: kv_scale16 puts the 256 back)
+static inline __attribute__((always_inline)) __m512 load_kv(const void *base, int64_t index, const int kind) {
+    if (kind == KV_BF16) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
-    return _mm512_loadu_ps((const float *)base + index);
+    if (kind == KV_F32) return _mm512_loadu_ps((const float *)base + index);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + index));
+    if (kind == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+    const __m256i wide = _mm256_cvtepu8_epi16(raw);
+    if (kind == KV_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(wide, 8));  // e5m2 is float16's high byte
+    const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7f)), 7);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_cvtph_ps(_mm256_or_si256(magnitude, sign));
+}
+
+// the 16 tokens' scales of an 8-bit block (bf16 widened), times 256 for e4m3 (see load_kv)
+static inline __attribute__((always_inline)) __m512 kv_scale16(const uint16_t *scales, const int kind) {
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)scales)), 16));
+    return kind == KV_E4M3 ? _mm512_mul_ps(s, _mm512_set1_ps(256.0f)) : s;
 }
 
 // `next_k`/`next_v` (or NULL): a later block's K and V, fetched a line or two per step of the loop (as much
 // as the step reads of this block): issued all at once, the prefetches fill the core's miss buffers and stall it.
+// An 8-bit block's scores are the dot products of the stored values times the keys' scales (`ks`).
 static inline __attribute__((always_inline)) void block_scores16(float out[][MAX_BLOCK], const float *const *q,
-                                                                 const void *kt, int64_t head_dim, const int rows,
-                                                                 const int bf16, const char *next_k,
-                                                                 const char *next_v) {
+                                                                 const void *kt, const uint16_t *ks,
+                                                                 int64_t head_dim, const int rows, const int kind,
+                                                                 const char *next_k, const char *next_v) {
+    const int64_t elem = kv_elem_bytes(kind);
     __m512 a[4][4];
     for (int r = 0; r < rows; ++r)
         for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 4) {
         if (next_k != NULL)
-            for (int64_t at = d * 16 * (bf16 ? 2 : 4); at < (d + 4) * 16 * (bf16 ? 2 : 4); at += 64) {
+            for (int64_t at = d * 16 * elem; at < (d + 4) * 16 * elem; at += 64) {
                 _mm_prefetch(next_k + at, PF_HINT);
                 _mm_prefetch(next_v + at, PF_HINT);
             }
         for (int j = 0; j < 4; ++j) {
-            const __m512 k = load_kv(kt, (d + j) * 16, bf16);
+            const __m512 k = load_kv(kt, (d + j) * 16, kind);
             for (int r = 0; r < rows; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + j]), k, a[r][j]);
         }
     }
-    for (int r = 0; r < rows; ++r)
-        _mm512_storeu_ps(out[r], _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+    for (int r = 0; r < rows; ++r) {
+        const __m512 dot = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
+        _mm512_storeu_ps(out[r], kv_scaled(kind) ? _mm512_mul_ps(dot, kv_scale16(ks, kind)) : dot);
+    }
 }
 
 // acc[r] = acc[r] * corr[r] + sum_{t < n} p_r[t] v[t] for `rows` rows at once, a 64-dim slab of registers at a
@@ -130,7 +153,7 @@ static inline __attribute__((always_inline)) void block_scores16(float out[][MAX
 // depend on the rows beside it.
 static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MAX_HEAD_DIM], const float *corr,
                                                                   float s[][MAX_BLOCK], const int rows, int n,
-                                                                  const void *vb, int64_t head_dim, const int bf16) {
+                                                                  const void *vb, int64_t head_dim, const int kind) {
     for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
         __m512 a[4][4];
         for (int r = 0; r < rows; ++r) {
@@ -139,7 +162,7 @@ static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MA
         }
         for (int t = 0; t < n; ++t)
             for (int j = 0; j < 4; ++j) {
-                const __m512 v = load_kv(vb, t * head_dim + d0 + 16 * j, bf16);
+                const __m512 v = load_kv(vb, t * head_dim + d0 + 16 * j, kind);
                 for (int r = 0; r < rows; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][t]), v, a[r][j]);
             }
         for (int r = 0; r < rows; ++r)
@@ -147,19 +170,22 @@ static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MA
     }
 }
 
+// `ks`, `vs`: the block's K and V scales (8-bit formats; else unused). The softmax weights of an 8-bit block
+// are multiplied by the values' scales once the row's sum has taken them.
 static inline __attribute__((always_inline)) void attend_block16(
     float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs, const int64_t *len,
     const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
-    int64_t head_dim, float scale, const int bf16, const char *next_k, const char *next_v) {
+    const uint16_t *ks, const uint16_t *vs, int64_t head_dim, float scale, const int kind, const char *next_k,
+    const char *next_v) {
     int64_t r = first_row;
     for (; r + 4 <= n_rows; r += 4) {
-        block_scores16(s + r, qs + r, kt, head_dim, 4, bf16, next_k, next_v);
+        block_scores16(s + r, qs + r, kt, ks, head_dim, 4, kind, next_k, next_v);
         next_k = next_v = NULL;  // fetched once
     }
     switch (n_rows - r) {
-        case 3: block_scores16(s + r, qs + r, kt, head_dim, 3, bf16, next_k, next_v); break;
-        case 2: block_scores16(s + r, qs + r, kt, head_dim, 2, bf16, next_k, next_v); break;
-        case 1: block_scores16(s + r, qs + r, kt, head_dim, 1, bf16, next_k, next_v); break;
+        case 3: block_scores16(s + r, qs + r, kt, ks, head_dim, 3, kind, next_k, next_v); break;
+        case 2: block_scores16(s + r, qs + r, kt, ks, head_dim, 2, kind, next_k, next_v); break;
+        case 1: block_scores16(s + r, qs + r, kt, ks, head_dim, 1, kind, next_k, next_v); break;
         default: break;
     }
     float corr[MAX_TILE];
@@ -176,60 +202,93 @@ static inline __attribute__((always_inline)) void attend_block16(
         corr[i] = expf(m[i] - block_max);  // exp(-inf) = 0 on the first block
         const __m512 p = _mm512_maskz_mov_ps(mask, exp512_ps(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
         l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(p);
-        _mm512_storeu_ps(s[i], p);
+        _mm512_storeu_ps(s[i], kv_scaled(kind) ? _mm512_mul_ps(p, kv_scale16(vs, kind)) : p);
         m[i] = block_max;
         keys[i] = n;
     }
     // rows are in position order: the last of a group sees the most keys
-    for (r = first_row; r + 4 <= n_rows; r += 4) accumulate_rows(acc + r, corr + r, s + r, 4, keys[r + 3], vb, head_dim, bf16);
+    for (r = first_row; r + 4 <= n_rows; r += 4) accumulate_rows(acc + r, corr + r, s + r, 4, keys[r + 3], vb, head_dim, kind);
     switch (n_rows - r) {
-        case 3: accumulate_rows(acc + r, corr + r, s + r, 3, keys[r + 2], vb, head_dim, bf16); break;
-        case 2: accumulate_rows(acc + r, corr + r, s + r, 2, keys[r + 1], vb, head_dim, bf16); break;
-        case 1: accumulate_rows(acc + r, corr + r, s + r, 1, keys[r], vb, head_dim, bf16); break;
+        case 3: accumulate_rows(acc + r, corr + r, s + r, 3, keys[r + 2], vb, head_dim, kind); break;
+        case 2: accumulate_rows(acc + r, corr + r, s + r, 2, keys[r + 1], vb, head_dim, kind); break;
+        case 1: accumulate_rows(acc + r, corr + r, s + r, 1, keys[r], vb, head_dim, kind); break;
         default: break;
     }
 }
 
-static void attend_block16_f32(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK],
-                               const float *const *qs, const int64_t *len, const int64_t *lo, int64_t first_row,
-                               int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
-                               int64_t head_dim, float scale, const char *next_k, const char *next_v) {
-    attend_block16(acc, m, l, s, qs, len, lo, first_row, n_rows, block_start, kt, vb, head_dim, scale, 0, next_k,
-                   next_v);
-}
-
-static void attend_block16_bf16(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK],
-                                const float *const *qs, const int64_t *len, const int64_t *lo, int64_t first_row,
-                                int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
-                                int64_t head_dim, float scale, const char *next_k, const char *next_v) {
-    attend_block16(acc, m, l, s, qs, len, lo, first_row, n_rows, block_start, kt, vb, head_dim, scale, 1, next_k,
-                   next_v);
-}
+// one specialization per format, so each inlines its own loads
+#define ATTEND_BLOCK16(name, kind)                                                                              \
+    static void name(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs, \
+                     const int64_t *len, const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, \
+                     const void *kt, const void *vb, const uint16_t *ks, const uint16_t *vs, int64_t head_dim,     \
+                     float scale, const char *next_k, const char *next_v) {                                       \
+        attend_block16(acc, m, l, s, qs, len, lo, first_row, n_rows, block_start, kt, vb, ks, vs, head_dim, scale, \
+                       kind, next_k, next_v);                                                                     \
+    }
+ATTEND_BLOCK16(attend_block16_f32, KV_F32)
+ATTEND_BLOCK16(attend_block16_bf16, KV_BF16)
+ATTEND_BLOCK16(attend_block16_int8, KV_INT8)
+ATTEND_BLOCK16(attend_block16_e4m3, KV_E4M3)
+ATTEND_BLOCK16(attend_block16_e5m2, KV_E5M2)
+#undef ATTEND_BLOCK16
+typedef void (*AttendBlock16)(float[][MAX_HEAD_DIM], float *, float *, float[][MAX_BLOCK], const float *const *,
+                              const int64_t *, const int64_t *, int64_t, int64_t, int64_t, const void *, const void *,
+                              const uint16_t *, const uint16_t *, int64_t, float, const char *, const char *);
+static const AttendBlock16 attend_block16_of[] = {attend_block16_f32, attend_block16_bf16, attend_block16_int8,
+                                                  attend_block16_e4m3, attend_block16_e5m2};
 #else
 int paged_attention_bf16_available(void) { return 0; }
 #endif
 
+// A block of stored values [rows][cols] as float32 into `tile`, each times its token's scale (8-bit formats; the
+// token is the column of a K block, the row of a V block).
+static void decode_kv_block(const void *src, const uint16_t *scales, int64_t rows, int64_t cols, int64_t kind,
+                         int token_is_column, float *tile) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const void *row = (const char *)src + r * cols * kv_elem_bytes(kind);
+        if (!kv_scaled(kind) || token_is_column) {
+            kv_decode(row, 1, cols, kind, 1.0f, tile + r * cols);
+            if (kv_scaled(kind))
+                for (int64_t c = 0; c < cols; ++c) tile[r * cols + c] *= bf16_value(scales[c]);
+        } else {
+            kv_decode(row, 1, cols, kind, bf16_value(scales[r]), tile + r * cols);
+        }
+    }
+}
+
 // One kv head's query rows (in position order; rows active .. n_rows - 1 see keys in this block) over one
-// block. `lo` (sliding windows, else NULL): the first key each row sees.
+// block. `lo` (sliding windows, else NULL): the first key each row sees. Offsets count elements of the cache
+// (`offset`, `next_offset`: this block's and a later one's, -1 for none) and of the scales (`scale_offset`).
 static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs,
                          const int64_t *len, const int64_t *lo, int64_t active, int64_t n_rows, int64_t b,
-                         const void *k_cache, const void *v_cache, int64_t offset, int64_t next_offset,
-                         int64_t head_dim, int64_t block_size, float scale, int64_t kv_bf16) {
+                         const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
+                         int64_t offset, int64_t next_offset, int64_t scale_offset, int64_t head_dim,
+                         int64_t block_size, float scale, int64_t kind) {
+    const int64_t elem = kv_elem_bytes(kind);
+    const uint16_t *ks = kv_scaled(kind) ? k_scale + scale_offset : NULL;
+    const uint16_t *vs = kv_scaled(kind) ? v_scale + scale_offset : NULL;
 #if defined(__AVX512F__)
     if (block_size == 16 && head_dim % 64 == 0) {
-        const int64_t elem = kv_bf16 ? 2 : 4;
         // blocks lie anywhere in the pool: fetch a later one's K and V while this one computes, which the
         // hardware prefetchers, working within a page, would not
         const char *next_k = next_offset < 0 ? NULL : (const char *)k_cache + next_offset * elem;
         const char *next_v = next_offset < 0 ? NULL : (const char *)v_cache + next_offset * elem;
-        (kv_bf16 ? attend_block16_bf16 : attend_block16_f32)(
-            acc, m, l, s, qs, len, lo, active, n_rows, b * block_size, (const char *)k_cache + offset * elem,
-            (const char *)v_cache + offset * elem, head_dim, scale, next_k, next_v);
+        attend_block16_of[kind](acc, m, l, s, qs, len, lo, active, n_rows, b * block_size,
+                                (const char *)k_cache + offset * elem, (const char *)v_cache + offset * elem, ks, vs,
+                                head_dim, scale, next_k, next_v);
         return;
     }
 #endif
     (void)next_offset;
-    const float *kt = (const float *)k_cache + offset, *vb = (const float *)v_cache + offset;
+    const float *kt = (const float *)((const char *)k_cache + offset * elem);
+    const float *vb = (const float *)((const char *)v_cache + offset * elem);
+    float k_tile[kind == KV_F32 ? 1 : MAX_HEAD_DIM * MAX_BLOCK], v_tile[kind == KV_F32 ? 1 : MAX_HEAD_DIM * MAX_BLOCK];
+    if (kind != KV_F32) {  // this block dequantized (widened) into L1, then the float32 path
+        decode_kv_block(kt, ks, head_dim, block_size, kind, 1, k_tile);
+        decode_kv_block(vb, vs, block_size, head_dim, kind, 0, v_tile);
+        kt = k_tile;
+        vb = v_tile;
+    }
     block_scores(s + active, qs + active, n_rows - active, kt, head_dim, block_size);
     for (int64_t i = active; i < n_rows; ++i) {
         const int64_t left = len[i] - b * block_size;
@@ -262,14 +321,16 @@ static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[
 void paged_attention(
     float *out,                   // [T, num_heads, head_dim]: rows of `row_stride` floats
     const float *q,               // [T, num_heads, head_dim]: rows of `q_row_stride` floats
-    const void *k_cache,          // [num_blocks, num_kv_heads, head_dim, block_size], float32 or bf16
-    const void *v_cache,          // [num_blocks, num_kv_heads, block_size, head_dim], same dtype
+    const void *k_cache,          // [num_blocks, num_kv_heads, head_dim, block_size], in format kv_kind
+    const void *v_cache,          // [num_blocks, num_kv_heads, block_size, head_dim], same format
+    const uint16_t *k_scale,      // 8-bit formats: [num_blocks, num_kv_heads, block_size] bf16 (else NULL)
+    const uint16_t *v_scale,
     const int64_t *query_start,   // [num_seqs + 1]: sequence s owns rows query_start[s] .. query_start[s+1]
     const int64_t *seq_lens,      // [num_seqs]: context length after this step (its last row sees all of it)
     const int64_t *block_tables,  // [num_seqs, max_blocks]
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t q_row_stride, int64_t row_stride, float scale,
-    int64_t kv_bf16,                  // 1: bf16 caches (only with paged_attention_bf16_available and blocks of 16)
+    int64_t kv_kind,              // kv_formats.h (bf16 only with paged_attention_bf16_available and blocks of 16)
     int64_t window) {                 // > 0: a row at position p sees keys p - window + 1 .. p
     const int64_t group = num_heads / num_kv_heads;
     const int64_t head_block = head_dim * block_size;  // elements of one kv head in one block
@@ -331,10 +392,9 @@ void paged_attention(
             for (int64_t h = 0; h < heads; ++h) {
                 const int64_t kvh = first_head + h, i = h * n_rows;
                 attend_block(acc + i, m + i, l + i, s + i, qs + i, len + i, window > 0 ? lo + i : NULL, active, end,
-                             b, k_cache, v_cache,
-                             (table[b] * num_kv_heads + kvh) * head_block,
-                             ahead < 0 ? -1 : (ahead * num_kv_heads + kvh) * head_block, head_dim, block_size, scale,
-                             kv_bf16);
+                             b, k_cache, v_cache, k_scale, v_scale, (table[b] * num_kv_heads + kvh) * head_block,
+                             ahead < 0 ? -1 : (ahead * num_kv_heads + kvh) * head_block,
+                             (table[b] * num_kv_heads + kvh) * block_size, head_dim, block_size, scale, kv_kind);
             }
         }
         for (int64_t h = 0; h < heads; ++h)

@@ -36,7 +36,8 @@ from tokenmill.kv_transfer.handoff import discard
 logger = logging.getLogger("tokenmill.kv_transfer")
 
 TRANSPORTS = ("shm", "tcp")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# uint8: an 8-bit cache's blocks, moved as stored (values and scales; model_runner.read_kv_blocks)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 
 
 class KVTransferError(RuntimeError):

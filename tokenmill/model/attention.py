@@ -1,6 +1,7 @@
 """Paged attention over a flat batch: a clear torch reference that runs on CPU and CUDA.
 
-The KV cache of one layer is two tensors of `num_blocks` blocks (layout in `allocate_kv_cache`). A sequence's
+The KV cache of one layer (`kv_quant.LayerKV`) is two tensors of `num_blocks` blocks (layout in
+`allocate_kv_cache`), in float or, with their per-token scales, in an 8-bit format (model/kv_quant.py). A sequence's
 logical token i lives in physical block `block_table[i // block_size]` at offset `i % block_size`; blocks of a
 sequence need not be contiguous or ordered. Each step first writes the new tokens' K/V at their slots
 (`slot_mapping`), then every sequence attends over its own blocks: causally within the newly scheduled tokens
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 
 from tokenmill import kernels
 from tokenmill.kernels import triton_ops
+from tokenmill.model import kv_quant
+from tokenmill.model.kv_quant import SCALE_DTYPE, KVFormat, LayerKV
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -120,13 +123,25 @@ class AttentionMetadata:
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's (K, V) cache. K keeps each block's keys transposed, [blocks, kv_heads, head_dim, block], so a
-    block's scores are one vector over its tokens; V is [blocks, kv_heads, block, head_dim]."""
+    """One layer's (K, V) value tensors. K keeps each block's keys transposed, [blocks, kv_heads, head_dim, block],
+    so a block's scores are one vector over its tokens; V is [blocks, kv_heads, block, head_dim]."""
     k_shape = (num_blocks, num_kv_heads, head_dim, block_size)
     v_shape = (num_blocks, num_kv_heads, block_size, head_dim)
     if device.type != "cpu":
         return torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device)
     return _untouched_zeros(k_shape, dtype), _untouched_zeros(v_shape, dtype)
+
+
+def allocate_layer_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: KVFormat,
+                      device: torch.device) -> LayerKV:
+    """One layer's cache in `fmt`: its values, and in an 8-bit format a scale per token and KV head
+    [blocks, kv_heads, block]."""
+    k, v = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, fmt.storage, device)
+    if not fmt.scaled:
+        return LayerKV(k, v)
+    scales = [allocate_kv_cache(num_blocks, block_size, num_kv_heads, 1, SCALE_DTYPE, device)[1].view(
+        num_blocks, num_kv_heads, block_size) for _ in range(2)]
+    return LayerKV(k, v, *scales)
 
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -137,73 +152,52 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # the tensor keeps the map alive
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots, in the cache's dtype."""
-    block_size = v_cache.shape[2]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)
-
-
-def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of whole blocks, [B, kv_heads, blocks * block_size, head_dim] for block_tables [B, blocks],
-    in `dtype` (the queries'; a bf16 cache under float32 activations widens)."""
-    bsz, num_blocks = block_tables.shape
-    _, num_kv_heads, head_dim, block_size = k_cache.shape
-    keys = k_cache[block_tables].permute(0, 2, 1, 4, 3)  # [B, kvh, blocks, block, hd]
-    values = v_cache[block_tables].transpose(1, 2)  # [B, kvh, blocks, block, hd]
-    shape = (bsz, num_kv_heads, num_blocks * block_size, head_dim)
-    return keys.reshape(shape).to(dtype), values.reshape(shape).to(dtype)
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, heads, head_dim]
     k: torch.Tensor,  # [T, kv_heads, head_dim] (already written to the cache)
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
     """`window`: a query at position p sees keys p - window + 1 .. p (sliding-window layers)."""
     out = torch.empty_like(q)
-    if kernels.attention_supported(q, q.shape[1], k_cache):
-        kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, scale,
-                                window)
+    if kernels.attention_supported(q, q.shape[1], cache):
+        kernels.paged_attention(out, q, cache, meta.query_start, meta.seq_lens, meta.block_tables, scale, window)
         return out
-    if gpu_kernels_apply(q, k_cache):
-        triton_ops.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.query_start, meta.seq_lens,
+    if gpu_kernels_apply(q, cache):
+        triton_ops.paged_attention(out, q.contiguous(), cache.k, cache.v, meta.query_start, meta.seq_lens,
                                    meta.block_tables, scale, window)
         return out
     split = meta.reference
     if split.decode_rows.numel():
-        out[split.decode_rows] = _decode_attention_torch(q[split.decode_rows], k_cache, v_cache, split, scale,
-                                                         window)
+        out[split.decode_rows] = _decode_attention_torch(q[split.decode_rows], cache, split, scale, window)
     for p in split.prefills:
         # 4-D [1, heads, q, hd] inputs: torch's CPU flash kernel only takes batched 4-D tensors; 3-D ones fall
         # back to the math path, which is 6x slower on a 3,000-token prompt.
         query = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
         mask = p.mask if window is None else _window_mask(p.end - p.start, p.seq_len, window, q.device)
+        if mask is None and cache.format.scaled:  # attend to what later steps will read: the stored values
+            mask = _window_mask(p.end - p.start, p.seq_len, p.seq_len, q.device)
         if mask is None:  # no cached context: the new tokens are the whole sequence
             keys = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
             values = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
                                                   enable_gqa=True)
         else:
-            keys, values = _gather_kv(k_cache, v_cache, p.block_table[None], q.dtype)
+            keys, values = kv_quant.gather(cache, p.block_table[None], q.dtype)
             attn = F.scaled_dot_product_attention(query, keys[:, :, :p.seq_len], values[:, :, :p.seq_len],
                                                   attn_mask=mask, scale=scale, enable_gqa=True)
         out[p.start:p.end] = attn[0].transpose(0, 1)
     return out
 
 
-def gpu_kernels_apply(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The Triton kernels serve a layer whose activations are `x`: a CUDA device with triton, shapes they tile
-    (head_dim is the K cache's dimension 2)."""
-    return triton_ops.attention_kernel_serves(x.device, k_cache.shape[2], k_cache.shape[3])
+def gpu_kernels_apply(x: torch.Tensor, cache: LayerKV) -> bool:
+    """The Triton kernels serve a layer whose activations are `x`: a CUDA device with triton, a float cache of
+    shapes they tile (head_dim is the K cache's dimension 2)."""
+    return not cache.format.scaled and triton_ops.attention_kernel_serves(x.device, cache.k.shape[2],
+                                                                          cache.k.shape[3])
 
 
 def _window_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -213,10 +207,10 @@ def _window_mask(q_len: int, seq_len: int, window: int, device: torch.device) ->
     return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
-def _decode_attention_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            split: ReferenceSplit, scale: float, window: int | None = None) -> torch.Tensor:
+def _decode_attention_torch(query: torch.Tensor, cache: LayerKV, split: ReferenceSplit, scale: float,
+                            window: int | None = None) -> torch.Tensor:
     """The reference decode path: gather every sequence's blocks (padded), one batched SDPA with a length mask."""
-    keys, values = _gather_kv(k_cache, v_cache, split.decode_block_tables, query.dtype)
+    keys, values = kv_quant.gather(cache, split.decode_block_tables, query.dtype)
     key_index = torch.arange(keys.shape[2], device=query.device)[None, :]
     lengths = split.decode_seq_lens[:, None]
     visible = key_index < lengths

@@ -19,7 +19,8 @@ from tokenmill import kernels
 from tokenmill.config import ModelConfig
 from tokenmill.kernels import triton_ops
 from tokenmill.lora.slots import LayerLoRA, LoRAContext, LoRASlots
-from tokenmill.model.attention import AttentionMetadata, gpu_kernels_apply, paged_attention, write_kv
+from tokenmill.model import kv_quant
+from tokenmill.model.attention import AttentionMetadata, gpu_kernels_apply, paged_attention
 from tokenmill.model.gguf_linear import GGUFLinear
 from tokenmill.model.loader import LazyWeights
 from tokenmill.model.quant import Int8Linear, QuantLinear, make_linear
@@ -77,7 +78,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = config.softmax_scale
         self.window = window  # keys a query sees (itself included) on a sliding-window layer; None: all
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
+        self.kv_cache: kv_quant.LayerKV | None = None  # bound by the model runner
         self.lora: LayerLoRA | None = None  # multi-LoRA: adds the step's adapter deltas (attach_lora)
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
@@ -102,21 +103,20 @@ class Attention(nn.Module):
             self.lora.add("qkv", x, qkv)
         if self.q_norm is not None:
             self._norm_heads(qkv)
-        k_cache, v_cache = self.kv_cache
+        cache = self.kv_cache
         cos, sin = rope
         native = (kernels.layer_ops_supported(qkv)
-                  and kernels.attention_supported(qkv, self.num_heads, k_cache))
+                  and kernels.attention_supported(qkv, self.num_heads, cache))
         if native:
-            q = kernels.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
-                                       k_cache, v_cache)
+            q = kernels.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping, cache)
             out = torch.empty_like(q)
-            kernels.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables,
-                                    self.scale, self.window)
-        elif gpu_kernels_apply(qkv, k_cache):  # CUDA: the same two fused steps in Triton
+            kernels.paged_attention(out, q, cache, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
+                                    self.window)
+        elif gpu_kernels_apply(qkv, cache):  # CUDA: the same two fused steps in Triton
             q = triton_ops.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
-                                          k_cache, v_cache)
+                                          cache.k, cache.v)
             out = torch.empty_like(q)
-            triton_ops.paged_attention(out, q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables,
+            triton_ops.paged_attention(out, q, cache.k, cache.v, meta.query_start, meta.seq_lens, meta.block_tables,
                                        self.scale, self.window)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -125,8 +125,8 @@ class Attention(nn.Module):
             v = v.view(tokens, self.num_kv_heads, self.head_dim)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
+            kv_quant.write(cache, k, v, meta.slot_mapping)
+            out = paged_attention(q, k, v, cache, meta, self.scale, self.window)
         out = out.reshape(tokens, self.q_size)
         y = self.o_proj(out)
         return y if self.lora is None else self.lora.add("o", out, y)
@@ -193,7 +193,7 @@ class NativeDecoderStack:
     def __init__(self, model: LlamaForCausalLM) -> None:
         layers = model.decoder_layers
         config = model.config
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.caches: list[kv_quant.LayerKV] = []
         self.plans: list[kernels.GGUFMatmulPlan] = []  # the arrays the GGUF projections' pointers point into
         for layer in layers:
             assert layer.self_attn.kv_cache is not None
@@ -219,7 +219,7 @@ class NativeDecoderStack:
             slot.input_norm = layer.input_layernorm.weight.data_ptr()
             slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             assert attn.kv_cache is not None
-            slot.k_cache, slot.v_cache = attn.kv_cache[0].data_ptr(), attn.kv_cache[1].data_ptr()
+            slot.set_cache(attn.kv_cache)
             slot.q_norm, slot.k_norm, slot.attn_out_norm, slot.mlp_out_norm = (
                 None if norm is None else norm.weight.data_ptr()
                 for norm in (attn.q_norm, attn.k_norm, layer.attn_output_norm, layer.mlp_output_norm))
@@ -230,8 +230,8 @@ class NativeDecoderStack:
         self.gelu = config.hidden_act == "gelu_tanh"
         self.eps = config.rms_norm_eps
         self.scale = config.softmax_scale
-        self.block_size = self.caches[0][0].shape[3]
-        self.kv_bf16 = self.caches[0][0].dtype == torch.bfloat16
+        self.block_size = self.caches[0].k.shape[3]
+        self.kv_kind = self.caches[0].format.kind
         self.work = torch.empty(0)  # scratch, grown to the largest batch seen
         self.lora_context = model.lora_context
 
@@ -254,7 +254,7 @@ class NativeDecoderStack:
                 return False
             query = torch.empty(1, attn.num_heads, attn.head_dim)
             if not (kernels.layer_ops_supported(query) and kernels.attention_supported(query, attn.num_heads,
-                                                                                       attn.kv_cache[0])):
+                                                                                       attn.kv_cache)):
                 return False
         return True
 
@@ -268,7 +268,7 @@ class NativeDecoderStack:
         lora = None if self.lora_context is None else self.lora_context.batch
         out = kernels.decoder_forward(self.pointers, self.dims, self.eps, x, self.work, rope, local_rope,
                                       meta.slot_mapping, self.block_size, meta.query_start, meta.seq_lens,
-                                      meta.block_tables, self.scale, self.kv_bf16, self.gelu,
+                                      meta.block_tables, self.scale, self.kv_kind, self.gelu,
                                       None if lora is None else lora.pointers)
         return out, x
 
@@ -366,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, projections in zip(self.decoder_layers, slots.layers):
             layer.self_attn.lora = layer.mlp.lora = LayerLoRA(projections, context)
 
-    def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def bind_kv_caches(self, caches: list[kv_quant.LayerKV]) -> None:
         """Give each layer its (K, V) cache; then the one-call decoder stack is set up where it applies."""
         for layer, cache in zip(self.decoder_layers, caches):
             layer.self_attn.kv_cache = cache

@@ -165,7 +165,7 @@ def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace
         source = "server"
 
     weight_bytes = {"int8": 1.0, "bf16": 2.0}.get(runner.quantization, 4.0)
-    kv_bytes = float(runner.kv_caches[0][0].element_size())
+    kv_bytes = runner.kv_format.bytes_per_token_head(runner.model.config.head_dim) / runner.model.config.head_dim
     peak = gemm_gflops(runner.quantization) * 1e9
     bandwidth = memory_bandwidth_gbs() * 1e9
     shapes = grid + [shape for shape, _ in step_trace]

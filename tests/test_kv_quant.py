@@ -1,0 +1,142 @@
+"""8-bit KV caches (model/kv_quant.py): the native kernels against a float64 reference on the dequantized
+cache, their generic (non-AVX-512) build too, the quantization's error bound, the pool's capacity and the
+refusals."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_kernels import CPU, Batch
+from tokenmill import kernels
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.executor import model_runner
+from tokenmill.model import kv_quant
+from tokenmill.model.attention import allocate_layer_kv
+from tokenmill.model.kv_quant import LayerKV, kv_format
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler: the torch fallback serves")
+# SmolLM2-135M's shapes: head_dim 64
+MODEL = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+                    max_position_embeddings=8192, tie_word_embeddings=True)
+FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
+DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+SHAPES = [
+    (9, 3, 64, 16, [(1, 1), (1, 17), (1, 300), (7, 7), (5, 40), (64, 100), (1, 16)]),  # the AVX-512 path; GQA 3
+    (8, 2, 128, 16, [(3, 3), (1, 200), (40, 90)]),  # head_dim 128, GQA 4
+    (8, 8, 128, 32, [(3, 3), (1, 200), (40, 90)]),  # blocks of 32: the generic path; no GQA
+    (16, 2, 32, 1, [(1, 3), (9, 9), (4, 40)]),  # 1-token blocks, GQA 8
+]
+
+
+def dequantized(cache: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """K [blocks, kv_heads, head_dim, block] and V [blocks, kv_heads, block, head_dim] in float64."""
+    assert cache.k_scale is not None and cache.v_scale is not None
+    k = cache.k.double() * cache.k_scale.double()[:, :, None, :]
+    v = cache.v.double() * cache.v_scale.double()[..., None]
+    return k, v
+
+
+def reference_attention(batch: Batch, q: torch.Tensor, window: int | None) -> torch.Tensor:
+    """float64 causal (windowed) attention of every query row over the dequantized cache."""
+    k_cache, v_cache = dequantized(batch.cache)
+    block = batch.block_size
+    group = q.shape[1] // k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    row = 0
+    for i, (q_len, seq_len) in enumerate(batch.seqs):
+        table = torch.from_numpy(batch.tables[i])
+        positions = torch.arange(seq_len)
+        keys = k_cache[table[positions // block], :, :, positions % block]  # [seq, kv_heads, head_dim]
+        values = v_cache[table[positions // block], :, positions % block, :]
+        for j in range(q_len):
+            p = seq_len - q_len + j
+            seen = (positions <= p) & (positions > p - window if window else positions >= 0)
+            for h in range(q.shape[1]):
+                scores = keys[seen, h // group] @ q[row + j, h].double() * q.shape[-1] ** -0.5
+                out[row + j, h] = torch.softmax(scores, 0) @ values[seen, h // group]
+        row += q_len
+    return out
+
+
+def check_against_reference(name: str, shape: tuple, window: int | None) -> None:
+    heads, kv_heads, head_dim, block_size, seqs = shape
+    batch = Batch(7, heads, kv_heads, head_dim, block_size, seqs, DTYPES[name])
+    meta = batch.meta()
+    assert kernels.attention_supported(batch.q, heads, batch.cache)
+    native = batch.run(meta, batch.q, batch.k, batch.v, window)  # writes this step's K/V (quantized) first
+    expected = reference_attention(batch, batch.q, window)
+    torch.testing.assert_close(native.double(), expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=["hd64-b16", "hd128-b16", "hd128-b32", "hd32-b1"])
+@pytest.mark.parametrize("window", [None, 5, 37])
+def test_native_attention_over_8bit_caches_matches_float64_on_the_dequantized_cache(name: str, shape: tuple,
+                                                                                     window: int | None) -> None:
+    check_against_reference(name, shape, window)
+
+
+@pytest.fixture()
+def generic_attention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention kernel built without AVX-512 (the path AVX2 hosts run), swapped in for this test."""
+    source = Path(kernels.__file__).parent / "paged_attention.c"
+    library = tmp_path / "paged_attention_avx2.so"
+    subprocess.run(["gcc", "-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fopenmp", "-shared",
+                    "-fPIC", "-std=c11", str(source), "-o", str(library), "-lm"], check=True)
+    fn = ctypes.CDLL(str(library)).paged_attention
+    fn.argtypes, fn.restype = kernels._attention_fn().argtypes, None
+    monkeypatch.setattr(kernels, "_attention_fn", lambda: fn)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("window", [None, 37])
+def test_generic_build_over_8bit_caches_matches_float64(name: str, window: int | None,
+                                                        generic_attention: None) -> None:
+    check_against_reference(name, SHAPES[0], window)
+    check_against_reference(name, SHAPES[2], window)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantization_error_is_bounded_by_the_format(name: str) -> None:
+    fmt = kv_format(name)
+    x = torch.randn(500, 64) * torch.rand(500, 1) * 30
+    x[3] = 0.0  # an all-zero vector: scale 0, values 0
+    x[4, 5] = 1e-30  # far below the others' resolution
+    values, scales = kv_quant.quantize(x, fmt)
+    assert values.dtype == fmt.storage and scales.dtype == torch.bfloat16
+    restored = kv_quant.dequantize(values, scales[:, None])
+    amax = x.abs().amax(-1, keepdim=True)
+    assert torch.all(scales.float()[:, None] * fmt.qmax >= amax)  # rounded up: nothing clips
+    # int8: half a step of the scale; fp8: half a unit in the last place (2^-3 e4m3, 2^-2 e5m2 relative)
+    relative = {"int8": 0.0, "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}[name]
+    step = scales.float()[:, None] * (0.5 if name == "int8" else 2.0 ** (-9 if name == "fp8_e4m3" else -16) / 2)
+    assert torch.all((restored - x).abs() <= x.abs() * relative + step + 1e-12)
+    assert torch.equal(restored[3], torch.zeros(64))
+
+
+def test_an_8bit_pool_holds_about_twice_the_tokens_of_bfloat16_in_the_same_memory() -> None:
+    blocks = {name: model_runner.num_kv_blocks_for(EngineConfig(kv_cache_dtype=name, kv_cache_memory_gb=1.0),
+                                                   MODEL) for name in ("float32", "bfloat16", *FORMATS)}
+    # 64 one-byte values and a 2-byte scale per token and head against 128 bytes: 128/66 = 1.94x
+    for name in FORMATS:
+        assert blocks[name] / blocks["bfloat16"] == pytest.approx(128 / 66, rel=1e-3)
+        assert blocks[name] / blocks["float32"] == pytest.approx(256 / 66, rel=1e-3)
+    layer = allocate_layer_kv(2, 16, MODEL.num_kv_heads, MODEL.head_dim, kv_format("int8"), CPU)
+    assert layer.block_bytes * MODEL.num_layers == model_runner.kv_bytes_per_block(MODEL, 16, kv_format("int8"))
+
+
+def test_unknown_or_unrunnable_kv_dtypes_are_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="int8, fp8, fp8_e4m3, fp8_e5m2"):
+        EngineConfig(kv_cache_dtype="q4_0")
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp4'.*int8"):
+        kv_format("fp4")
+    with pytest.raises(ValueError, match="runs on cpu and cuda, not mps"):
+        model_runner.kv_cache_format(EngineConfig(device="mps", kv_cache_dtype="int8"), MODEL)
+    assert kv_format("fp8") is kv_format("fp8_e4m3")  # vLLM's fp8
