@@ -44,10 +44,11 @@ def test_kv_cache_is_bf16_under_bf16_linears_where_triton_reads_it(monkeypatch: 
 
 def test_triton_layer_selection_needs_cuda_and_tileable_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     from tokenmill.model.attention import gpu_kernels_apply
+    from tokenmill.model.kv_quant import LayerKV
 
     monkeypatch.setattr(triton_ops, "triton_usable", lambda device: True)
-    k_cache = torch.empty(1, 2, 64, 16)
-    assert not gpu_kernels_apply(torch.empty(1, 8), k_cache)  # a CPU tensor keeps the CPU kernels
+    cache = LayerKV(torch.empty(1, 2, 64, 16), torch.empty(1, 2, 16, 64))
+    assert not gpu_kernels_apply(torch.empty(1, 8), cache)  # a CPU tensor keeps the CPU kernels
     assert triton_ops.attention_shapes_supported(64, 16) and not triton_ops.attention_shapes_supported(96, 16)
 
 

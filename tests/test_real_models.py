@@ -153,6 +153,35 @@ def test_quantized_quality_gate(real: Path, float_llm: LLM, float_outputs: list[
         assert ppl[mode] <= ppl["none"] * 1.02, mode
 
 
+KV_8BIT = ("int8", "fp8")
+
+
+def test_8bit_kv_cache_quality_gate(real: Path, float_outputs: list[Any]) -> None:
+    """int8 and fp8 (e4m3) KV caches under the file's own blocks: teacher-forced top-1 agreement with the same
+    runner over a bf16 KV cache >= 97%, perplexity within +1% of it."""
+    sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in float_outputs]
+    loaded = load_model(str(real))
+    runners = {kv: ModelRunner(EngineConfig(num_kv_blocks=64, quantization="gguf", kv_cache_dtype=kv),
+                               loaded.config, loaded.weights) for kv in ("bfloat16", *KV_8BIT)}
+    agree = dict.fromkeys(KV_8BIT, 0)
+    nll = dict.fromkeys(runners, 0.0)
+    total = 0
+    for ids in sequences:
+        logits = {kv: runner.prompt_logits(ids).float() for kv, runner in runners.items()}
+        for kv in KV_8BIT:
+            agree[kv] += int((logits["bfloat16"].argmax(-1) == logits[kv].argmax(-1)).sum())
+        total += len(ids)
+        target = torch.tensor(ids[1:])
+        for kv, value in logits.items():
+            nll[kv] += float(torch.nn.functional.cross_entropy(value[:-1], target, reduction="sum"))
+    ppl = {kv: math.exp(value / (total - len(sequences))) for kv, value in nll.items()}
+    print(f"{real.name}: KV top-1 agreement with bf16 KV { {kv: round(a / total, 4) for kv, a in agree.items()} } "
+          f"over {total}; perplexity {ppl}")
+    for kv in KV_8BIT:
+        assert agree[kv] / total >= 0.97, kv
+        assert ppl[kv] <= ppl["bfloat16"] * 1.01, kv
+
+
 def test_chat_through_the_server(real: Path) -> None:
     from tokenmill.bench.server_process import live_server
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.model.kv_quant import LayerKV
+
 
 @functools.cache
 def triton_module() -> Any:
@@ -64,10 +66,12 @@ def _kernels() -> dict[str, Any]:
     import triton.language as tl
 
     @triton.jit
-    def paged_attention_kernel(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, row_seq_ptr, row_pos_ptr, scale, window,
-                               q_stride, out_stride, max_blocks,
+    def paged_attention_kernel(out_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, row_seq_ptr, row_pos_ptr,
+                               scale, window, q_stride, out_stride, max_blocks,
                                KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr):
+        # SCALED: an 8-bit cache, K/V values times their bf16 scale per token (ks_ptr, vs_ptr: [blocks,
+        # kv_heads, block]); the scores take the keys' scales, the weights the values' after their sum
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq = tl.load(row_seq_ptr + row)
@@ -88,6 +92,8 @@ def _kernels() -> dict[str, Any]:
             base = block * KV_HEADS + kv_head
             k = tl.load(k_ptr + (base * HEAD_DIM + d[:, None]) * BLOCK + t[None, :]).to(tl.float32)
             scores = tl.dot(q, k, input_precision="ieee") * scale
+            if SCALED:
+                scores = scores * tl.load(ks_ptr + base * BLOCK + t).to(tl.float32)[None, :]
             key_pos = b * BLOCK + t
             visible = (key_pos <= pos) & (key_pos >= first)
             scores = tl.where(visible[None, :], scores, float("-inf"))
@@ -96,6 +102,8 @@ def _kernels() -> dict[str, Any]:
             alpha = tl.exp(m - m_new)
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + (base * BLOCK + t[:, None]) * HEAD_DIM + d[None, :]).to(tl.float32)
+            if SCALED:
+                p = p * tl.load(vs_ptr + base * BLOCK + t).to(tl.float32)[None, :]
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m = m_new
         out = acc / total[:, None]
@@ -103,11 +111,13 @@ def _kernels() -> dict[str, Any]:
                  out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
 
     @triton.jit
-    def rope_and_cache_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, q_out_ptr,
-                              HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              BLOCK: tl.constexpr):
+    def rope_and_cache_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                              q_out_ptr, qmax, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              BLOCK: tl.constexpr, SCALED: tl.constexpr, INTEGER: tl.constexpr):
         # program (token, head) over heads + 2 kv_heads: q heads rotate into q_out, k heads rotate into the K
-        # cache, v heads go to the V cache
+        # cache, v heads go to the V cache. SCALED (8-bit caches, model/kv_quant.py): each k and v head-vector
+        # divided by its scale, amax / qmax rounded up to bf16, stored in ks_ptr / vs_ptr; INTEGER: int8 values
+        # (rounded to nearest even, clamped), else fp8 (the store converts)
         token = tl.program_id(0)
         head = tl.program_id(1)
         half = tl.arange(0, HEAD_DIM // 2)
@@ -130,6 +140,19 @@ def _kernels() -> dict[str, Any]:
                 block = slot // BLOCK
                 offset = slot % BLOCK
                 base = (block * KV_HEADS + head - HEADS) * HEAD_DIM * BLOCK + offset  # [D, BLOCK] transposed
+                if SCALED:  # the smallest bf16 >= amax / qmax: the float32 bits rounded up at bit 16
+                    amax = tl.maximum(tl.max(tl.abs(y1), 0), tl.max(tl.abs(y2), 0))
+                    kv_scale = (((amax / qmax).to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32,
+                                                                                                  bitcast=True)
+                    tl.store(ks_ptr + (block * KV_HEADS + head - HEADS) * BLOCK + offset, kv_scale.to(tl.bfloat16))
+                    inverse = tl.where(kv_scale > 0, 1.0 / kv_scale, 0.0)
+                    y1 = y1 * inverse
+                    y2 = y2 * inverse
+                    if INTEGER:  # round half to even: adding and taking away 1.5 * 2^23 does it in float32
+                        y1 = (y1 + 12582912.0) - 12582912.0
+                        y2 = (y2 + 12582912.0) - 12582912.0
+                    y1 = tl.minimum(tl.maximum(y1, -qmax), qmax)
+                    y2 = tl.minimum(tl.maximum(y2, -qmax), qmax)
                 tl.store(k_ptr + base + half * BLOCK, y1.to(k_ptr.dtype.element_ty))
                 tl.store(k_ptr + base + (HEAD_DIM // 2 + half) * BLOCK, y2.to(k_ptr.dtype.element_ty))
         else:
@@ -139,6 +162,16 @@ def _kernels() -> dict[str, Any]:
             offset = slot % BLOCK
             x = tl.load(src + d)
             base = ((block * KV_HEADS + head - HEADS - KV_HEADS) * BLOCK + offset) * HEAD_DIM
+            if SCALED:  # as k above
+                x = x.to(tl.float32)
+                kv_scale = (((tl.max(tl.abs(x), 0) / qmax).to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(
+                    tl.float32, bitcast=True)
+                tl.store(vs_ptr + (block * KV_HEADS + head - HEADS - KV_HEADS) * BLOCK + offset,
+                         kv_scale.to(tl.bfloat16))
+                x = x * tl.where(kv_scale > 0, 1.0 / kv_scale, 0.0)
+                if INTEGER:
+                    x = (x + 12582912.0) - 12582912.0
+                x = tl.minimum(tl.maximum(x, -qmax), qmax)
             tl.store(v_ptr + base + d, x.to(v_ptr.dtype.element_ty))
 
     @triton.jit
@@ -156,13 +189,14 @@ def _kernels() -> dict[str, Any]:
     return {"attention": paged_attention_kernel, "rope": rope_and_cache_kernel, "bitmask": token_bitmask_kernel}
 
 
-def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+def paged_attention(out: torch.Tensor, query: torch.Tensor, cache: LayerKV, query_start: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     window: int | None = None) -> None:
     """kernels.paged_attention's contract: out/query [T, heads, head_dim] (rows of a sequence contiguous, in
     query_start order), causal within the step's tokens, every cached token before them visible (within
-    `window` keys of the query, itself included, when given)."""
+    `window` keys of the query, itself included, when given); the cache in any format of model/kv_quant.py."""
     tokens, heads, head_dim = query.shape
+    k_cache, v_cache = cache.k, cache.v
     kv_heads, block = k_cache.shape[1], k_cache.shape[3]
     group = heads // kv_heads
     query_lens = query_start[1:] - query_start[:-1]
@@ -173,22 +207,28 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     row_pos = seq_lens[row_seq] - (query_start[1:][row_seq] - torch.arange(tokens, device=query.device))
     assert query.stride(2) == 1 and query.stride(1) == head_dim and out.stride(1) == head_dim
     kernel = _kernels()["attention"]
-    kernel[(tokens, kv_heads)](out, query, k_cache, v_cache, block_tables.contiguous(), row_seq.contiguous(),
+    scaled = cache.k_scale is not None
+    kernel[(tokens, kv_heads)](out, query, k_cache, v_cache, cache.k_scale if scaled else k_cache,
+                               cache.v_scale if scaled else v_cache, block_tables.contiguous(), row_seq.contiguous(),
                                row_pos.contiguous(), scale, window or 0, query.stride(0), out.stride(0),
                                block_tables.shape[1], KV_HEADS=kv_heads, GROUP=group,
-                               GROUP_PAD=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim, BLOCK=block)
+                               GROUP_PAD=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim, BLOCK=block,
+                               SCALED=scaled)
 
 
 def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                   slot_mapping: torch.Tensor, cache: LayerKV) -> torch.Tensor:
     """kernels.rope_and_cache's contract: rotate q and k of the fused projection (rotate-half, full width), store
-    k and v at their slots, return q [T, heads, head_dim]."""
+    k and v at their slots (quantized as they are written in an 8-bit format), return q [T, heads, head_dim]."""
     tokens, head_dim = qkv.shape[0], cos.shape[-1]
     assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    fmt = cache.format
     _kernels()["rope"][(tokens, num_heads + 2 * num_kv_heads)](
-        qkv, qkv.stride(0), cos.float().contiguous(), sin.float().contiguous(), slot_mapping, k_cache, v_cache, q,
-        HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=k_cache.shape[3])
+        qkv, qkv.stride(0), cos.float().contiguous(), sin.float().contiguous(), slot_mapping, cache.k, cache.v,
+        cache.k_scale if fmt.scaled else cache.k, cache.v_scale if fmt.scaled else cache.v, q, fmt.qmax,
+        HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=cache.k.shape[3], SCALED=fmt.scaled,
+        INTEGER=fmt.storage == torch.int8)
     return q
 
 

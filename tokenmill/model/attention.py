@@ -167,8 +167,8 @@ def paged_attention(
         kernels.paged_attention(out, q, cache, meta.query_start, meta.seq_lens, meta.block_tables, scale, window)
         return out
     if gpu_kernels_apply(q, cache):
-        triton_ops.paged_attention(out, q.contiguous(), cache.k, cache.v, meta.query_start, meta.seq_lens,
-                                   meta.block_tables, scale, window)
+        triton_ops.paged_attention(out, q.contiguous(), cache, meta.query_start, meta.seq_lens, meta.block_tables,
+                                   scale, window)
         return out
     split = meta.reference
     if split.decode_rows.numel():
@@ -194,10 +194,9 @@ def paged_attention(
 
 
 def gpu_kernels_apply(x: torch.Tensor, cache: LayerKV) -> bool:
-    """The Triton kernels serve a layer whose activations are `x`: a CUDA device with triton, a float cache of
-    shapes they tile (head_dim is the K cache's dimension 2)."""
-    return not cache.format.scaled and triton_ops.attention_kernel_serves(x.device, cache.k.shape[2],
-                                                                          cache.k.shape[3])
+    """The Triton kernels serve a layer whose activations are `x`: a CUDA device with triton, a cache of shapes
+    they tile (head_dim is the K cache's dimension 2)."""
+    return triton_ops.attention_kernel_serves(x.device, cache.k.shape[2], cache.k.shape[3])
 
 
 def _window_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:

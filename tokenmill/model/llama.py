@@ -114,10 +114,10 @@ class Attention(nn.Module):
                                     self.window)
         elif gpu_kernels_apply(qkv, cache):  # CUDA: the same two fused steps in Triton
             q = triton_ops.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping,
-                                          cache.k, cache.v)
+                                          cache)
             out = torch.empty_like(q)
-            triton_ops.paged_attention(out, q, cache.k, cache.v, meta.query_start, meta.seq_lens, meta.block_tables,
-                                       self.scale, self.window)
+            triton_ops.paged_attention(out, q, cache, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
+                                       self.window)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(tokens, self.num_heads, self.head_dim)
