@@ -44,8 +44,12 @@ def dequantized(cache: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_attention(batch: Batch, q: torch.Tensor, window: int | None) -> torch.Tensor:
-    """float64 causal (windowed) attention of every query row over the dequantized cache."""
+    """float64 causal (windowed) attention of every query row over the dequantized cache; where the kernel scores
+    an int8 cache with integer dot products, over the query rows as it quantizes them (amax / 127 per head)."""
     k_cache, v_cache = dequantized(batch.cache)
+    if kernels.attention_quantizes_queries(batch.cache):
+        scale = q.abs().amax(-1, keepdim=True) / 127
+        q = torch.round(q * torch.where(scale > 0, 127 / q.abs().amax(-1, keepdim=True), 0)).double() * scale.double()
     block = batch.block_size
     group = q.shape[1] // k_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -93,6 +97,7 @@ def generic_attention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fn = ctypes.CDLL(str(library)).paged_attention
     fn.argtypes, fn.restype = kernels._attention_fn().argtypes, None
     monkeypatch.setattr(kernels, "_attention_fn", lambda: fn)
+    monkeypatch.setattr(kernels, "attention_quantizes_queries", lambda cache: False)  # float scores there
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -495,6 +495,15 @@ def attention_bf16_available() -> bool:
     return lib is not None and bool(lib.paged_attention_bf16_available())
 
 
+def attention_quantizes_queries(cache: LayerKV) -> bool:
+    """Whether the native attention scores this int8 cache with integer dot products (AVX512-VNNI with VBMI,
+    blocks of 16, head_dim a multiple of 64): each query row quantized to int8 with a scale amax / 127."""
+    lib = load_library("paged_attention")
+    k = cache.k
+    return (lib is not None and bool(lib.paged_attention_int8_scores()) and k.dtype == torch.int8
+            and k.shape[3] == 16 and k.shape[2] % 64 == 0)
+
+
 def bf16_cache_supported(head_dim: int, block_size: int) -> bool:
     """Whether the native attention reads a bf16 cache of these shapes (its AVX-512 path: blocks of 16,
     head_dim a multiple of 64)."""

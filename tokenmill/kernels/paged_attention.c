@@ -85,6 +85,29 @@ static inline void accumulate64(float *acc, float correction, const float *p, co
     memcpy(acc, a, sizeof a);
 }
 
+// A query row in int8 for the integer scores over an int8 cache: q ~= scale * q8, four values a word (the
+// operand vpdpbusd broadcasts), and 128 * sum(q8), taken back from the sums of (k + 128) * q8.
+typedef struct {
+    int32_t q4[MAX_HEAD_DIM / 4];
+    float scale;
+    int32_t correction;
+} QuantRow;
+
+static void quantize_query(const float *q, int64_t head_dim, QuantRow *row) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
+    row->scale = amax / 127.0f;
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t *bytes = (int8_t *)row->q4;
+    int32_t sum = 0;
+    for (int64_t d = 0; d < head_dim; ++d) {
+        bytes[d] = (int8_t)nearbyintf(q[d] * inverse);
+        sum += bytes[d];
+    }
+    row->correction = 128 * sum;
+}
+
+
 #if defined(__AVX512F__)
 // Blocks of 16 tokens and head_dim a multiple of 64 in AVX-512, with float32 or bf16 caches: one block's 16
 // scores of a row are one register. Per row and block: each score a dot product over head_dim in four
@@ -118,6 +141,42 @@ static inline __attribute__((always_inline)) __m512 kv_scale16(const uint16_t *s
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)scales)), 16));
     return kind == KV_E4M3 ? _mm512_mul_ps(s, _mm512_set1_ps(256.0f)) : s;
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// Integer scores over int8 keys (AVX512-VNNI): each score an exact int32 sum over head_dim, so a row's scores
+// do not depend on the rows beside it, then scaled by its query's and the key's scales.
+#define INT8_SCORES 1
+int paged_attention_int8_scores(void) { return 1; }
+static inline __attribute__((always_inline)) void block_scores16_int8(float out[][MAX_BLOCK], const QuantRow *rows,
+                                                                      int n_rows, const int8_t *kt,
+                                                                      const uint16_t *ks, int64_t head_dim) {
+    // bytes (d + j, t) of 4 key rows [4][16] -> per token t its 4 values (the word vpdpbusd takes)
+    static const uint8_t interleave[64] = {
+        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+        6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+        12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+    const __m512i index = _mm512_loadu_si512(interleave);
+    const __m512i bias = _mm512_set1_epi8((char)0x80);  // k + 128: vpdpbusd's unsigned operand
+    const __m512 key_scales = kv_scale16(ks, KV_INT8);
+    for (int r0 = 0; r0 < n_rows; r0 += 8) {
+        const int count = n_rows - r0 < 8 ? n_rows - r0 : 8;
+        __m512i acc[8];
+        for (int r = 0; r < count; ++r) acc[r] = _mm512_setzero_si512();
+        for (int64_t g = 0; g < head_dim / 4; ++g) {
+            const __m512i k = _mm512_xor_si512(
+                _mm512_permutexvar_epi8(index, _mm512_loadu_si512(kt + g * 64)), bias);
+            for (int r = 0; r < count; ++r)
+                acc[r] = _mm512_dpbusd_epi32(acc[r], k, _mm512_set1_epi32(rows[r0 + r].q4[g]));
+        }
+        for (int r = 0; r < count; ++r) {
+            const __m512 dot = _mm512_cvtepi32_ps(
+                _mm512_sub_epi32(acc[r], _mm512_set1_epi32(rows[r0 + r].correction)));
+            _mm512_storeu_ps(out[r0 + r], _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(rows[r0 + r].scale)),
+                                                        key_scales));
+        }
+    }
+}
+#endif
 
 // `next_k`/`next_v` (or NULL): a later block's K and V, fetched a line or two per step of the loop (as much
 // as the step reads of this block): issued all at once, the prefetches fill the core's miss buffers and stall it.
@@ -175,9 +234,22 @@ static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MA
 static inline __attribute__((always_inline)) void attend_block16(
     float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs, const int64_t *len,
     const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
-    const uint16_t *ks, const uint16_t *vs, int64_t head_dim, float scale, const int kind, const char *next_k,
-    const char *next_v) {
+    const uint16_t *ks, const uint16_t *vs, const QuantRow *qr, int64_t head_dim, float scale, const int kind,
+    const char *next_k, const char *next_v) {
     int64_t r = first_row;
+#ifdef INT8_SCORES
+    if (kind == KV_INT8) {
+        if (next_k != NULL)
+            for (int64_t at = 0; at < head_dim * 16; at += 64) {
+                _mm_prefetch(next_k + at, PF_HINT);
+                _mm_prefetch(next_v + at, PF_HINT);
+            }
+        block_scores16_int8(s + r, qr + r, (int)(n_rows - r), (const int8_t *)kt, ks, head_dim);
+        r = n_rows;
+    }
+#else
+    (void)qr;
+#endif
     for (; r + 4 <= n_rows; r += 4) {
         block_scores16(s + r, qs + r, kt, ks, head_dim, 4, kind, next_k, next_v);
         next_k = next_v = NULL;  // fetched once
@@ -220,10 +292,10 @@ static inline __attribute__((always_inline)) void attend_block16(
 #define ATTEND_BLOCK16(name, kind)                                                                              \
     static void name(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs, \
                      const int64_t *len, const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, \
-                     const void *kt, const void *vb, const uint16_t *ks, const uint16_t *vs, int64_t head_dim,     \
-                     float scale, const char *next_k, const char *next_v) {                                       \
-        attend_block16(acc, m, l, s, qs, len, lo, first_row, n_rows, block_start, kt, vb, ks, vs, head_dim, scale, \
-                       kind, next_k, next_v);                                                                     \
+                     const void *kt, const void *vb, const uint16_t *ks, const uint16_t *vs, const QuantRow *qr,   \
+                     int64_t head_dim, float scale, const char *next_k, const char *next_v) {                     \
+        attend_block16(acc, m, l, s, qs, len, lo, first_row, n_rows, block_start, kt, vb, ks, vs, qr, head_dim,    \
+                       scale, kind, next_k, next_v);                                                              \
     }
 ATTEND_BLOCK16(attend_block16_f32, KV_F32)
 ATTEND_BLOCK16(attend_block16_bf16, KV_BF16)
@@ -233,11 +305,15 @@ ATTEND_BLOCK16(attend_block16_e5m2, KV_E5M2)
 #undef ATTEND_BLOCK16
 typedef void (*AttendBlock16)(float[][MAX_HEAD_DIM], float *, float *, float[][MAX_BLOCK], const float *const *,
                               const int64_t *, const int64_t *, int64_t, int64_t, int64_t, const void *, const void *,
-                              const uint16_t *, const uint16_t *, int64_t, float, const char *, const char *);
+                              const uint16_t *, const uint16_t *, const QuantRow *, int64_t, float, const char *,
+                              const char *);
 static const AttendBlock16 attend_block16_of[] = {attend_block16_f32, attend_block16_bf16, attend_block16_int8,
                                                   attend_block16_e4m3, attend_block16_e5m2};
 #else
 int paged_attention_bf16_available(void) { return 0; }
+#endif
+#ifndef INT8_SCORES
+int paged_attention_int8_scores(void) { return 0; }
 #endif
 
 // A block of stored values [rows][cols] as float32 into `tile`, each times its token's scale (8-bit formats; the
@@ -260,7 +336,7 @@ static void decode_kv_block(const void *src, const uint16_t *scales, int64_t row
 // block. `lo` (sliding windows, else NULL): the first key each row sees. Offsets count elements of the cache
 // (`offset`, `next_offset`: this block's and a later one's, -1 for none) and of the scales (`scale_offset`).
 static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs,
-                         const int64_t *len, const int64_t *lo, int64_t active, int64_t n_rows, int64_t b,
+                         const QuantRow *qr, const int64_t *len, const int64_t *lo, int64_t active, int64_t n_rows, int64_t b,
                          const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
                          int64_t offset, int64_t next_offset, int64_t scale_offset, int64_t head_dim,
                          int64_t block_size, float scale, int64_t kind) {
@@ -275,11 +351,12 @@ static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[
         const char *next_v = next_offset < 0 ? NULL : (const char *)v_cache + next_offset * elem;
         attend_block16_of[kind](acc, m, l, s, qs, len, lo, active, n_rows, b * block_size,
                                 (const char *)k_cache + offset * elem, (const char *)v_cache + offset * elem, ks, vs,
-                                head_dim, scale, next_k, next_v);
+                                qr, head_dim, scale, next_k, next_v);
         return;
     }
 #endif
     (void)next_offset;
+    (void)qr;
     const float *kt = (const float *)((const char *)k_cache + offset * elem);
     const float *vb = (const float *)((const char *)v_cache + offset * elem);
     float k_tile[kind == KV_F32 ? 1 : MAX_HEAD_DIM * MAX_BLOCK], v_tile[kind == KV_F32 ? 1 : MAX_HEAD_DIM * MAX_BLOCK];
@@ -368,6 +445,13 @@ void paged_attention(
         float acc[MAX_TILE][MAX_HEAD_DIM], m[MAX_TILE], l[MAX_TILE], s[MAX_TILE][MAX_BLOCK];
         int64_t len[MAX_TILE], lo[MAX_TILE];
         const float *qs[MAX_TILE];
+#ifdef INT8_SCORES
+        QuantRow qr[kv_kind == KV_INT8 && block_size == 16 && head_dim % 64 == 0 ? MAX_TILE : 1];
+        const int quantized = kv_kind == KV_INT8 && block_size == 16 && head_dim % 64 == 0;
+#else
+        QuantRow qr[1];
+        const int quantized = 0;
+#endif
         // row i = (kv head h of this task, row r, head g of its group): each kv head's rows are contiguous
         for (int64_t h = 0; h < heads; ++h)
             for (int64_t r = 0; r < rows; ++r) {
@@ -377,6 +461,7 @@ void paged_attention(
                     len[i] = seq_lens[seq] - q_len + first + r + 1;  // causal: keys up to this row's position
                     lo[i] = window > 0 && len[i] > window ? len[i] - window : 0;
                     qs[i] = q + row * q_row_stride + ((first_head + h) * group + g) * head_dim;
+                    if (quantized) quantize_query(qs[i], head_dim, &qr[i]);
                     m[i] = -INFINITY;
                     l[i] = 0.0f;
                     memset(acc[i], 0, sizeof(float) * head_dim);
@@ -391,7 +476,7 @@ void paged_attention(
             const int64_t ahead = (b + PREFETCH_BLOCKS) * block_size < len[n_rows - 1] ? table[b + PREFETCH_BLOCKS] : -1;
             for (int64_t h = 0; h < heads; ++h) {
                 const int64_t kvh = first_head + h, i = h * n_rows;
-                attend_block(acc + i, m + i, l + i, s + i, qs + i, len + i, window > 0 ? lo + i : NULL, active, end,
+                attend_block(acc + i, m + i, l + i, s + i, qs + i, quantized ? qr + i : NULL, len + i, window > 0 ? lo + i : NULL, active, end,
                              b, k_cache, v_cache, k_scale, v_scale, (table[b] * num_kv_heads + kvh) * head_block,
                              ahead < 0 ? -1 : (ahead * num_kv_heads + kvh) * head_block,
                              (table[b] * num_kv_heads + kvh) * block_size, head_dim, block_size, scale, kv_kind);
