@@ -151,16 +151,44 @@ def test_runner_reads_and_writes_kv_blocks(llm) -> None:  # noqa: ANN001
     assert torch.equal(runner.read_kv_blocks([5, 7]), data)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_8bit_kv_blocks_move_as_stored_and_other_formats_are_refused(loaded_model) -> None:  # noqa: ANN001
+    from tokenmill.executor.model_runner import ModelRunner
+
+    def runner(kv: str) -> ModelRunner:
+        config = EngineConfig(quantization="int8", kv_cache_dtype=kv, num_kv_blocks=8)
+        return ModelRunner(config, loaded_model.config, loaded_model.weights)
+
+    source, target = runner("int8"), runner("int8")
+    for cache in source.kv_caches:  # distinct bytes in every tensor of every layer
+        for tensor in cache.tensors:
+            tensor.view(torch.uint8).copy_(torch.randint(0, 256, tensor.view(torch.uint8).shape, dtype=torch.uint8))
+    data = source.read_kv_blocks([1, 2])
+    assert data.dtype == torch.uint8 and data.shape[-1] == source.kv_caches[0].block_bytes // 2
+    target.write_kv_blocks([5, 7], data)
+    for mine, theirs in zip(target.kv_caches, source.kv_caches):
+        for a, b in zip(mine.tensors, theirs.tensors, strict=True):
+            assert torch.equal(a[[5, 7]].view(torch.uint8), b[[1, 2]].view(torch.uint8))
+    with pytest.raises(ValueError, match="do not fit this engine's fp8_e4m3 cache"):
+        runner("fp8").write_kv_blocks([0], runner("bfloat16").read_kv_blocks([0]))
+    with pytest.raises(ValueError, match="do not fit this engine's bfloat16 cache"):
+        runner("bfloat16").write_kv_blocks([0], data[:1])
+
+
+@pytest.mark.parametrize(("transport", "kv_dtype"), [("shm", "auto"), ("tcp", "auto"), ("shm", "int8")])
 def test_prefill_engine_hands_prompts_to_a_decode_engine_with_identical_greedy_outputs(
-        llm, loaded_model, tokenizer, transport: str) -> None:  # noqa: ANN001
+        llm, loaded_model, tokenizer, transport: str, kv_dtype: str) -> None:  # noqa: ANN001
     """1P1D in one process (engine cores in threads): outputs equal the colocated engine's, the decode engine
     fetches only blocks its prefix cache lacks, and afterwards no block and no saved KV is left on either side,
-    including for a request closed right after its hand-off."""
+    including for a request closed right after its hand-off. An int8 cache moves as stored (values and scales)."""
+    from tokenmill import LLM
+
+    if kv_dtype != "auto":
+        llm = LLM(quantization="none", kv_cache_dtype=kv_dtype)  # the colocated reference, same cache format
     prompts = PLAIN_PROMPTS + ["You are a pirate. " + LONG_PARAGRAPH * 3 + q for q in ("Why?", "How?")]
     params = SamplingParams(max_tokens=12, temperature=0)
     expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
-    engines = [LLMEngine.from_loaded(EngineConfig(quantization="none", kv_role=role, kv_transport=transport),
+    engines = [LLMEngine.from_loaded(EngineConfig(quantization="none", kv_role=role, kv_transport=transport,
+                                                  kv_cache_dtype=kv_dtype),
                                      loaded_model, tokenizer) for role in ("producer", "consumer")]
     replicas: list[Replica] = [ThreadReplica(i, e.core) for i, e in enumerate(engines)]
     for replica in replicas:

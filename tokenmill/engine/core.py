@@ -115,7 +115,9 @@ class EngineCore:
         block_ids = self.kv.block_table(request.request_id)[:-(-num_tokens // block_size)]
         data = self.executor.read_kv_blocks(block_ids)  # type: ignore[attr-defined]
         blocks = KVBlocks(data, request.block_hashes[:num_tokens // block_size], num_tokens)
-        self.kv_saved[request.request_id] = self.connector.save(request.request_id, blocks)
+        params = self.connector.save(request.request_id, blocks)
+        kv_format = getattr(self.executor, "kv_format", None)  # a consumer with another cache format refuses them
+        self.kv_saved[request.request_id] = params if kv_format is None else params | {"kv_format": kv_format.name}
 
     def release_kv(self, request_ids: Iterable[str]) -> None:
         """Producer: the decode engine has these requests' KV (or no longer needs it)."""

@@ -17,6 +17,12 @@ from tokenmill.request import Request
 Command = tuple[int, str, Any]
 
 
+def kv_format_name(executor: object) -> str:
+    """The name of an executor's KV cache format ("" for one without a KV pool of its own, e.g. a fake)."""
+    fmt = getattr(executor, "kv_format", None)
+    return "" if fmt is None else str(fmt.name)
+
+
 @dataclass
 class CoreInfo:
     """A core's hello once its model is loaded: what the front end needs to validate and route requests."""
@@ -31,6 +37,7 @@ class CoreInfo:
     start_seconds: float = 0.0  # from process start to ready (imports, model load, warm-up)
     rss_bytes: int = 0  # the core process's resident memory when ready
     cpus: list[int] | None = None  # the CPUs it is pinned to
+    kv_cache_dtype: str = ""  # the KV pool's element format (model/kv_quant.py)
 
 
 @dataclass

@@ -59,7 +59,7 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
     import torch
 
     from tokenmill.engine.core_loop import CoreLoop
-    from tokenmill.engine.core_messages import Command, CoreDeath, CoreInfo, CoreReport
+    from tokenmill.engine.core_messages import Command, CoreDeath, CoreInfo, CoreReport, kv_format_name
 
     if threads:
         torch.set_num_threads(threads)
@@ -85,7 +85,8 @@ def run_engine_core(config: Any, options: CoreProcessOptions) -> None:
     gc.freeze()
     reports.send_pyobj(CoreInfo(core.kv.num_blocks, core.kv.block_size,
                                 int(getattr(core.executor, "kv_cache_bytes", 0)), core.scheduler.max_model_len,
-                                start_seconds=time.monotonic() - started, rss_bytes=_rss_bytes(), cpus=options.cpus))
+                                start_seconds=time.monotonic() - started, rss_bytes=_rss_bytes(), cpus=options.cpus,
+                                kv_cache_dtype=kv_format_name(core.executor)))
 
     def receive(block: bool) -> list[Command] | None:
         if not commands.poll(IDLE_POLL_MS if block else 0):

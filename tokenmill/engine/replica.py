@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_messages import Command, CoreDeath, CoreInfo, CoreReport
+from tokenmill.engine.core_messages import Command, CoreDeath, CoreInfo, CoreReport, kv_format_name
 from tokenmill.engine.core_proc import CoreProcessOptions, run_engine_core
 from tokenmill.engine.process_start import core_process_context
 
@@ -102,7 +102,7 @@ class ThreadReplica(Replica):
     def launch(self) -> CoreInfo:
         kv = self.core.kv
         self.info = CoreInfo(kv.num_blocks, kv.block_size, int(getattr(self.core.executor, "kv_cache_bytes", 0)),
-                             self.core.scheduler.max_model_len)
+                             self.core.scheduler.max_model_len, kv_cache_dtype=kv_format_name(self.core.executor))
         self.generation += 1
         return self.info
 

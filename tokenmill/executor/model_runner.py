@@ -154,6 +154,9 @@ class ModelRunner:
             self.model.attach_lora(self.lora.slots, self.lora.context)
         self.model.bind_kv_caches(self.kv_caches)
         self.kv_cache_bytes = kv_bytes_per_block(model_config, config.block_size, self.kv_format) * self.num_kv_blocks
+        logger.info("KV cache %s: %s tokens in %d blocks of %d (%.0f MiB)", self.kv_format.name,
+                    f"{self.num_kv_blocks * config.block_size:,}", self.num_kv_blocks, config.block_size,
+                    self.kv_cache_bytes / 2**20)
         self.max_model_len = min(config.max_model_len or model_config.max_context_len, model_config.max_context_len)
         self.decode_graphs: DecodeGraphs | None = None
         reason = eager_reason(config, model_config)

@@ -65,6 +65,12 @@ class BackgroundKVLoader:
             job()
 
     def _fetch(self, request_id: str, params: dict[str, Any], first_block: int, block_ids: list[int]) -> None:
+        ours = getattr(self.executor, "kv_format", None)
+        if ours is not None and params.get("kv_format", ours.name) != ours.name:
+            error = (f"KV transfer failed: the prefill engine's {params['kv_format']} KV cache is not this "
+                     f"{ours.name} one")
+            self._hand_over(_Piece(request_id, [], None, 0.0, last=True, error=error))
+            return
         per_piece = max(1, self.piece_bytes // max(1, block_nbytes(params)))
         for start in range(0, len(block_ids), per_piece):
             ids = block_ids[start:start + per_piece]

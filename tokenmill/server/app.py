@@ -176,6 +176,9 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     loras = _lora_registry(llm, model_name, options)
     metrics = EngineMetrics(model_name)
     metrics.add_replicas(len(llm.replicas))
+    for replica in llm.replicas:
+        if replica.info is not None:
+            metrics.on_cache_config(replica.index, replica.info)
     llm.step_listeners.append(metrics.on_step)
     llm.state_listeners.append(metrics.set_idle)
     llm.replica_listeners.append(lambda r: metrics.on_replica(r.index, r.state, r.restarts))
@@ -506,8 +509,8 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     for replica in llm.replicas:
         info = replica.info
         assert info is not None
-        logger.info("engine core %d (pid %d%s): KV cache %d blocks x %d tokens = %d tokens (%.0f MiB)%s",
-                    replica.index, info.pid, f", CPUs {info.cpus}" if info.cpus else "",
+        logger.info("engine core %d (pid %d%s): KV cache %s, %d blocks x %d tokens = %d tokens (%.0f MiB)%s",
+                    replica.index, info.pid, f", CPUs {info.cpus}" if info.cpus else "", info.kv_cache_dtype,
                     info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
                     info.kv_cache_bytes / 2**20,
                     f", started in {info.start_seconds:.1f} s, RSS {info.rss_bytes / 2**20:.0f} MiB"

@@ -11,6 +11,7 @@ import re
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from tokenmill.core.outputs import StepRecord
+from tokenmill.engine.core_messages import CoreInfo
 from tokenmill.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -45,6 +46,11 @@ class EngineMetrics:
                              registry=r)
         self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", per_replica,
                               registry=r)
+        # vLLM's cache_config_info: the pool's configuration as labels, value 1; and what it holds, in tokens
+        self.cache_config = Gauge("tokenmill:cache_config_info", "KV cache configuration",
+                                  per_replica + ["cache_dtype", "block_size", "num_blocks"], registry=r)
+        self.kv_capacity = Gauge("tokenmill:kv_cache_capacity_tokens", "Tokens the KV pool holds", per_replica,
+                                 registry=r)
         self.prefix_queries = Counter("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       per_replica, registry=r)
         self.prefix_hits = Counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache",
@@ -116,6 +122,11 @@ class EngineMetrics:
             for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
                            self.preemptions, self.replica_up, self.replica_restarts, self.request_migrations):
                 metric.labels(self.model_name, str(i))
+
+    def on_cache_config(self, replica: int, info: CoreInfo) -> None:
+        self.cache_config.labels(self.model_name, str(replica), info.kv_cache_dtype, str(info.block_size),
+                                 str(info.num_kv_blocks)).set(1)
+        self.kv_capacity.labels(self.model_name, str(replica)).set(info.num_kv_blocks * info.block_size)
 
     def on_step(self, record: StepRecord, replica: int = 0) -> None:
         s = record.stats
