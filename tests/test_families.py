@@ -136,8 +136,9 @@ def test_int8_speculation_and_structured_outputs_work_for_every_family(family: t
 
 
 @pytest.mark.skipif(not kernels.decoder_stack_available(), reason="no AVX2/AVX512-VNNI: the layers run one by one")
+@pytest.mark.parametrize("kv", ["float32", "int8"])
 def test_the_native_decoder_stack_is_bit_identical_to_the_layers_for_every_family(
-        family: tuple[str, Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+        family: tuple[str, Path, Any], kv: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """kernels/decoder.c runs every family option (QK-norm, sandwich norms, GeGLU, windows, local rope tables,
     partial rotary) with the kernels the layers call one by one: the same logits to the bit, over a prompt
     longer than every window."""
@@ -147,7 +148,7 @@ def test_the_native_decoder_stack_is_bit_identical_to_the_layers_for_every_famil
 
     name, path, _ = family
     loaded = load_model(str(path))
-    config = EngineConfig(quantization="int8", kv_cache_dtype="float32", num_kv_blocks=16, block_size=16)
+    config = EngineConfig(quantization="int8", kv_cache_dtype=kv, num_kv_blocks=16, block_size=16)
     prompt = _prompts()[-1]
     fast = ModelRunner(config, loaded.config, loaded.weights)
     assert fast.model._stack is not None, f"{name}: the native decoder stack did not engage"
