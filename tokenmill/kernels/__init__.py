@@ -495,9 +495,11 @@ def attention_bf16_available() -> bool:
     return lib is not None and bool(lib.paged_attention_bf16_available())
 
 
-def attention_quantizes_queries(cache: LayerKV) -> bool:
-    """Whether the native attention scores this int8 cache with integer dot products (AVX512-VNNI with VBMI,
-    blocks of 16, head_dim a multiple of 64): each query row quantized to int8 with a scale amax / 127."""
+def integer_attention(cache: LayerKV) -> bool:
+    """Whether the native attention runs this int8 cache in integer arithmetic (AVX512-VNNI with VBMI, blocks of
+    16, head_dim a multiple of 64): each query row quantized to int8 (scale amax / 127) for exact int32 scores,
+    each block's softmax weights times the values' scales rounded to 8 bits against the row's largest in the
+    block for exact int32 sums over V. Both per row and block: batch invariance holds."""
     lib = load_library("paged_attention")
     k = cache.k
     return (lib is not None and bool(lib.paged_attention_int8_scores()) and k.dtype == torch.int8

@@ -149,7 +149,8 @@ static inline __attribute__((always_inline)) __m512 kv_scale16(const uint16_t *s
 int paged_attention_int8_scores(void) { return 1; }
 static inline __attribute__((always_inline)) void block_scores16_int8(float out[][MAX_BLOCK], const QuantRow *rows,
                                                                       int n_rows, const int8_t *kt,
-                                                                      const uint16_t *ks, int64_t head_dim) {
+                                                                      const uint16_t *ks, int64_t head_dim,
+                                                                      const char *next_k, const char *next_v) {
     // bytes (d + j, t) of 4 key rows [4][16] -> per token t its 4 values (the word vpdpbusd takes)
     static const uint8_t interleave[64] = {
         0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
@@ -163,6 +164,10 @@ static inline __attribute__((always_inline)) void block_scores16_int8(float out[
         __m512i acc[8];
         for (int r = 0; r < count; ++r) acc[r] = _mm512_setzero_si512();
         for (int64_t g = 0; g < head_dim / 4; ++g) {
+            if (next_k != NULL && r0 == 0) {  // a line of a later block's K and V per step (see block_scores16)
+                _mm_prefetch(next_k + g * 64, PF_HINT);
+                _mm_prefetch(next_v + g * 64, PF_HINT);
+            }
             const __m512i k = _mm512_xor_si512(
                 _mm512_permutexvar_epi8(index, _mm512_loadu_si512(kt + g * 64)), bias);
             for (int r = 0; r < count; ++r)
@@ -173,6 +178,48 @@ static inline __attribute__((always_inline)) void block_scores16_int8(float out[
                 _mm512_sub_epi32(acc[r], _mm512_set1_epi32(rows[r0 + r].correction)));
             _mm512_storeu_ps(out[r0 + r], _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(rows[r0 + r].scale)),
                                                         key_scales));
+        }
+    }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_t w_r[t] v[t] over an int8 block for up to 8 rows, the weights w_r (softmax
+// numerators times the values' scales, >= 0) rounded to 8 bits against their row's largest in the block, so
+// that each output is an exact int32 sum over the block's 16 values (vpdpbusd, four tokens a lane), scaled once.
+static inline __attribute__((always_inline)) void accumulate_rows_int8(float acc[][MAX_HEAD_DIM],
+                                                                       const float *corr, float w[][MAX_BLOCK],
+                                                                       const int rows, const int8_t *vb,
+                                                                       int64_t head_dim) {
+    static const uint8_t interleave[64] = {
+        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+        6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+        12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+    const __m512i index = _mm512_loadu_si512(interleave);
+    int32_t w8[8][4];  // each row's 16 weights as bytes, four tokens a word
+    float w_scale[8];
+    for (int r = 0; r < rows; ++r) {
+        const __m512 wv = _mm512_loadu_ps(w[r]);
+        const float w_max = _mm512_reduce_max_ps(wv);
+        w_scale[r] = w_max / 255.0f;
+        const __m512 inverse = _mm512_set1_ps(w_max > 0.0f ? 255.0f / w_max : 0.0f);
+        _mm_storeu_si128((__m128i *)w8[r], _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(wv, inverse))));
+    }
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        __m512i sums[8];
+        for (int r = 0; r < rows; ++r) sums[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g) {  // tokens 4g .. 4g + 3: their 16 values at d each
+            const int8_t *v = vb + 4 * g * head_dim + d;
+            __m512i four = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)v));
+            four = _mm512_inserti32x4(four, _mm_loadu_si128((const __m128i *)(v + head_dim)), 1);
+            four = _mm512_inserti32x4(four, _mm_loadu_si128((const __m128i *)(v + 2 * head_dim)), 2);
+            four = _mm512_inserti32x4(four, _mm_loadu_si128((const __m128i *)(v + 3 * head_dim)), 3);
+            const __m512i values = _mm512_permutexvar_epi8(index, four);
+            for (int r = 0; r < rows; ++r)
+                sums[r] = _mm512_dpbusd_epi32(sums[r], _mm512_set1_epi32(w8[r][g]), values);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const __m512 kept = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d), _mm512_set1_ps(corr[r]));
+            _mm512_storeu_ps(acc[r] + d, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(w_scale[r]),
+                                                         kept));
         }
     }
 }
@@ -206,26 +253,20 @@ static inline __attribute__((always_inline)) void block_scores16(float out[][MAX
     }
 }
 
-// acc[r] = acc[r] * corr[r] + sum_{t < n} p_r[t] v[t] for `rows` rows at once, a 64-dim slab of registers at a
-// time, so each V vector is loaded (and widened) once for all of them. A row's p is 0 past its own keys and
-// those slots hold this step's (finite) values, so the extra terms add exactly 0: a row's result does not
-// depend on the rows beside it.
+// acc[r] = acc[r] * corr[r] + sum_{t < n} p_r[t] v[t] for up to 8 rows at once, 16 dims at a time, so each V
+// vector is loaded (and widened) once for all of them. A row's p is 0 past its own keys and those slots hold this
+// step's (finite) values, so the extra terms add exactly 0: a row's result does not depend on the rows beside it.
 static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MAX_HEAD_DIM], const float *corr,
                                                                   float s[][MAX_BLOCK], const int rows, int n,
                                                                   const void *vb, int64_t head_dim, const int kind) {
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-        __m512 a[4][4];
-        for (int r = 0; r < rows; ++r) {
-            const __m512 c = _mm512_set1_ps(corr[r]);
-            for (int j = 0; j < 4; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d0 + 16 * j), c);
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        __m512 a[8];
+        for (int r = 0; r < rows; ++r) a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d), _mm512_set1_ps(corr[r]));
+        for (int t = 0; t < n; ++t) {
+            const __m512 v = load_kv(vb, t * head_dim + d, kind);
+            for (int r = 0; r < rows; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][t]), v, a[r]);
         }
-        for (int t = 0; t < n; ++t)
-            for (int j = 0; j < 4; ++j) {
-                const __m512 v = load_kv(vb, t * head_dim + d0 + 16 * j, kind);
-                for (int r = 0; r < rows; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][t]), v, a[r][j]);
-            }
-        for (int r = 0; r < rows; ++r)
-            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc[r] + d0 + 16 * j, a[r][j]);
+        for (int r = 0; r < rows; ++r) _mm512_storeu_ps(acc[r] + d, a[r]);
     }
 }
 
@@ -239,12 +280,7 @@ static inline __attribute__((always_inline)) void attend_block16(
     int64_t r = first_row;
 #ifdef INT8_SCORES
     if (kind == KV_INT8) {
-        if (next_k != NULL)
-            for (int64_t at = 0; at < head_dim * 16; at += 64) {
-                _mm_prefetch(next_k + at, PF_HINT);
-                _mm_prefetch(next_v + at, PF_HINT);
-            }
-        block_scores16_int8(s + r, qr + r, (int)(n_rows - r), (const int8_t *)kt, ks, head_dim);
+        block_scores16_int8(s + r, qr + r, (int)(n_rows - r), (const int8_t *)kt, ks, head_dim, next_k, next_v);
         r = n_rows;
     }
 #else
@@ -278,13 +314,28 @@ static inline __attribute__((always_inline)) void attend_block16(
         m[i] = block_max;
         keys[i] = n;
     }
+#ifdef INT8_SCORES
+    if (kind == KV_INT8) {
+        for (r = first_row; r < n_rows; r += 8) {
+            const int rows = n_rows - r < 8 ? (int)(n_rows - r) : 8;
+            accumulate_rows_int8(acc + r, corr + r, s + r, rows, (const int8_t *)vb, head_dim);
+        }
+        return;
+    }
+#endif
     // rows are in position order: the last of a group sees the most keys
-    for (r = first_row; r + 4 <= n_rows; r += 4) accumulate_rows(acc + r, corr + r, s + r, 4, keys[r + 3], vb, head_dim, kind);
-    switch (n_rows - r) {
-        case 3: accumulate_rows(acc + r, corr + r, s + r, 3, keys[r + 2], vb, head_dim, kind); break;
-        case 2: accumulate_rows(acc + r, corr + r, s + r, 2, keys[r + 1], vb, head_dim, kind); break;
-        case 1: accumulate_rows(acc + r, corr + r, s + r, 1, keys[r], vb, head_dim, kind); break;
-        default: break;
+    for (r = first_row; r < n_rows; r += 8) {
+        const int rows = n_rows - r < 8 ? (int)(n_rows - r) : 8;
+        switch (rows) {
+            case 8: accumulate_rows(acc + r, corr + r, s + r, 8, keys[r + 7], vb, head_dim, kind); break;
+            case 7: accumulate_rows(acc + r, corr + r, s + r, 7, keys[r + 6], vb, head_dim, kind); break;
+            case 6: accumulate_rows(acc + r, corr + r, s + r, 6, keys[r + 5], vb, head_dim, kind); break;
+            case 5: accumulate_rows(acc + r, corr + r, s + r, 5, keys[r + 4], vb, head_dim, kind); break;
+            case 4: accumulate_rows(acc + r, corr + r, s + r, 4, keys[r + 3], vb, head_dim, kind); break;
+            case 3: accumulate_rows(acc + r, corr + r, s + r, 3, keys[r + 2], vb, head_dim, kind); break;
+            case 2: accumulate_rows(acc + r, corr + r, s + r, 2, keys[r + 1], vb, head_dim, kind); break;
+            default: accumulate_rows(acc + r, corr + r, s + r, 1, keys[r], vb, head_dim, kind); break;
+        }
     }
 }
 
@@ -349,6 +400,10 @@ static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[
         // hardware prefetchers, working within a page, would not
         const char *next_k = next_offset < 0 ? NULL : (const char *)k_cache + next_offset * elem;
         const char *next_v = next_offset < 0 ? NULL : (const char *)v_cache + next_offset * elem;
+        if (next_offset >= 0 && kv_scaled(kind)) {  // and its scales (a block's are one line apart from its values)
+            _mm_prefetch((const char *)(k_scale + next_offset / head_dim), PF_HINT);
+            _mm_prefetch((const char *)(v_scale + next_offset / head_dim), PF_HINT);
+        }
         attend_block16_of[kind](acc, m, l, s, qs, len, lo, active, n_rows, b * block_size,
                                 (const char *)k_cache + offset * elem, (const char *)v_cache + offset * elem, ks, vs,
                                 qr, head_dim, scale, next_k, next_v);
