@@ -273,7 +273,7 @@ static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MA
 // `ks`, `vs`: the block's K and V scales (8-bit formats; else unused). The softmax weights of an 8-bit block
 // are multiplied by the values' scales once the row's sum has taken them.
 static inline __attribute__((always_inline)) void attend_block16(
-    float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs, const int64_t *len,
+    float acc[][MAX_HEAD_DIM], float *m, float l[][16], float s[][MAX_BLOCK], const float *const *qs, const int64_t *len,
     const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
     const uint16_t *ks, const uint16_t *vs, const QuantRow *qr, int64_t head_dim, float scale, const int kind,
     const char *next_k, const char *next_v) {
@@ -307,9 +307,11 @@ static inline __attribute__((always_inline)) void attend_block16(
         const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(s[i]), _mm512_set1_ps(scale));
         float block_max = _mm512_mask_reduce_max_ps(mask, sv);
         block_max = m[i] > block_max ? m[i] : block_max;
-        corr[i] = expf(m[i] - block_max);  // exp(-inf) = 0 on the first block
+        // exp(-inf) = 0 on the first block; exp(0) = 1 exactly, the common case once the context is long
+        corr[i] = block_max == m[i] ? 1.0f : expf(m[i] - block_max);
         const __m512 p = _mm512_maskz_mov_ps(mask, exp512_ps(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
-        l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(p);
+        // the denominators in 16 lanes, summed once at the end: no horizontal add per block
+        _mm512_storeu_ps(l[i], _mm512_fmadd_ps(_mm512_loadu_ps(l[i]), _mm512_set1_ps(corr[i]), p));
         _mm512_storeu_ps(s[i], kv_scaled(kind) ? _mm512_mul_ps(p, kv_scale16(vs, kind)) : p);
         m[i] = block_max;
         keys[i] = n;
@@ -341,7 +343,7 @@ static inline __attribute__((always_inline)) void attend_block16(
 
 // one specialization per format, so each inlines its own loads
 #define ATTEND_BLOCK16(name, kind)                                                                              \
-    static void name(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs, \
+    static void name(float acc[][MAX_HEAD_DIM], float *m, float l[][16], float s[][MAX_BLOCK], const float *const *qs, \
                      const int64_t *len, const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, \
                      const void *kt, const void *vb, const uint16_t *ks, const uint16_t *vs, const QuantRow *qr,   \
                      int64_t head_dim, float scale, const char *next_k, const char *next_v) {                     \
@@ -354,7 +356,7 @@ ATTEND_BLOCK16(attend_block16_int8, KV_INT8)
 ATTEND_BLOCK16(attend_block16_e4m3, KV_E4M3)
 ATTEND_BLOCK16(attend_block16_e5m2, KV_E5M2)
 #undef ATTEND_BLOCK16
-typedef void (*AttendBlock16)(float[][MAX_HEAD_DIM], float *, float *, float[][MAX_BLOCK], const float *const *,
+typedef void (*AttendBlock16)(float[][MAX_HEAD_DIM], float *, float[][16], float[][MAX_BLOCK], const float *const *,
                               const int64_t *, const int64_t *, int64_t, int64_t, int64_t, const void *, const void *,
                               const uint16_t *, const uint16_t *, const QuantRow *, int64_t, float, const char *,
                               const char *);
@@ -386,7 +388,7 @@ static void decode_kv_block(const void *src, const uint16_t *scales, int64_t row
 // One kv head's query rows (in position order; rows active .. n_rows - 1 see keys in this block) over one
 // block. `lo` (sliding windows, else NULL): the first key each row sees. Offsets count elements of the cache
 // (`offset`, `next_offset`: this block's and a later one's, -1 for none) and of the scales (`scale_offset`).
-static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[][MAX_BLOCK], const float *const *qs,
+static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float l[][16], float s[][MAX_BLOCK], const float *const *qs,
                          const QuantRow *qr, const int64_t *len, const int64_t *lo, int64_t active, int64_t n_rows, int64_t b,
                          const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
                          int64_t offset, int64_t next_offset, int64_t scale_offset, int64_t head_dim,
@@ -434,10 +436,10 @@ static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float *l, float s[
             block_max = si[t] > block_max ? si[t] : block_max;
         }
         const float correction = expf(m[i] - block_max);  // exp(-inf) = 0 on the first block
-        l[i] *= correction;
+        l[i][0] *= correction;
 #pragma omp simd
         for (int64_t t = 0; t < n; ++t) si[t] = expf(si[t] - block_max);
-        for (int64_t t = 0; t < n; ++t) l[i] += si[t];
+        for (int64_t t = 0; t < n; ++t) l[i][0] += si[t];
         if (head_dim == 64) {
             accumulate64(acc[i], correction, si, vb, n);
         } else {
@@ -497,7 +499,8 @@ void paged_attention(
         const int64_t rows = q_len - first < tile_rows ? q_len - first : tile_rows;
         const int64_t n_rows = rows * group;  // query rows of one kv head: rows x the heads sharing it
         const int64_t *table = block_tables + seq * max_blocks;
-        float acc[MAX_TILE][MAX_HEAD_DIM], m[MAX_TILE], l[MAX_TILE], s[MAX_TILE][MAX_BLOCK];
+        // l: each row's softmax denominator, in 16 partial sums (the AVX-512 path) or the first alone
+        float acc[MAX_TILE][MAX_HEAD_DIM], m[MAX_TILE], l[MAX_TILE][16], s[MAX_TILE][MAX_BLOCK];
         int64_t len[MAX_TILE], lo[MAX_TILE];
         const float *qs[MAX_TILE];
 #ifdef INT8_SCORES
@@ -518,7 +521,7 @@ void paged_attention(
                     qs[i] = q + row * q_row_stride + ((first_head + h) * group + g) * head_dim;
                     if (quantized) quantize_query(qs[i], head_dim, &qr[i]);
                     m[i] = -INFINITY;
-                    l[i] = 0.0f;
+                    memset(l[i], 0, sizeof l[i]);
                     memset(acc[i], 0, sizeof(float) * head_dim);
                 }
             }
@@ -543,7 +546,9 @@ void paged_attention(
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t i = h * n_rows + r * group + g;
                     float *o = out + row * row_stride + ((first_head + h) * group + g) * head_dim;
-                    const float inv = 1.0f / l[i];
+                    float total = 0.0f;
+                    for (int lane = 0; lane < 16; ++lane) total += l[i][lane];
+                    const float inv = 1.0f / total;
                     for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[i][d] * inv;
                 }
             }
