@@ -17,7 +17,8 @@ import torch
 from tokenmill import kernels
 from tokenmill.bench.report import machine_description, markdown_table, write_section
 from tokenmill.bench.stats import median_seconds
-from tokenmill.model.attention import AttentionMetadata, _decode_attention_torch, allocate_kv_cache
+from tokenmill.model.attention import AttentionMetadata, _decode_attention_torch, allocate_layer_kv
+from tokenmill.model.kv_quant import kv_format
 from tokenmill.model.quant import QuantLinear, make_linear
 from tokenmill.platform import cpu_flags
 
@@ -60,9 +61,9 @@ def time_int8_schemes(batch: int) -> tuple[float, float]:
     return time_linears(grouped, batch), time_linears(two_level, batch)
 
 
-def time_attention(batch: int, context: int) -> tuple[float, float | None, float]:
-    """(native over a float32 cache, native over a bf16 cache (None without AVX-512), torch reference) ms for one
-    layer's decode attention over `batch` sequences of `context` tokens."""
+def time_attention(batch: int, context: int) -> dict[str, float | None]:
+    """ms of one layer's decode attention over `batch` sequences of `context` tokens: the native kernel over a
+    float32, a bf16 (None without AVX-512) and an int8 cache, and the torch reference (float32 cache)."""
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
     blocks = -(-context // block)
     tables = np.random.RandomState(0).permutation(batch * blocks).reshape(batch, blocks).astype(np.int64)
@@ -70,21 +71,25 @@ def time_attention(batch: int, context: int) -> tuple[float, float | None, float
                                    np.zeros(batch, np.int64), block, torch.device("cpu"))
     q = torch.randn(batch, heads, head_dim)
     out = torch.empty_like(q)
-    times: list[float | None] = []
-    for dtype in (torch.float32, torch.bfloat16):
-        k_cache, v_cache = allocate_kv_cache(batch * blocks + 1, block, kv_heads, head_dim, dtype, torch.device("cpu"))
-        k_cache.normal_()
-        v_cache.normal_()
-        if not kernels.attention_supported(q, heads, k_cache):
-            times.append(None)
+    times: dict[str, float | None] = {}
+    for name in ("float32", "bfloat16", "int8"):
+        fmt = kv_format(name)
+        cache = allocate_layer_kv(batch * blocks + 1, block, kv_heads, head_dim, fmt, torch.device("cpu"))
+        for values, scales in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+            if scales is None:
+                values.copy_(torch.randn(values.shape))
+            else:
+                values.copy_(torch.randint(-127, 128, values.shape, dtype=torch.int8))
+                scales.fill_(0.01)
+        if not kernels.attention_supported(q, heads, cache):
+            times[name] = None
             continue
-        times.append(median_ms(lambda c=(k_cache, v_cache): kernels.paged_attention(  # type: ignore[misc, call-arg]
-            out, q, *c, meta.query_start, meta.seq_lens, meta.block_tables, 0.125)))
-        if dtype == torch.float32:
-            reference = median_ms(lambda c=(k_cache, v_cache): _decode_attention_torch(  # type: ignore[misc, call-arg]
-                q, *c, meta.reference, 0.125))
-    assert times[0] is not None
-    return times[0], times[1], reference
+        times[name] = median_ms(lambda c=cache: kernels.paged_attention(  # type: ignore[misc]
+            out, q, c, meta.query_start, meta.seq_lens, meta.block_tables, 0.125))
+        if name == "float32":
+            times["reference"] = median_ms(lambda c=cache: _decode_attention_torch(  # type: ignore[misc]
+                q, c, meta.reference, 0.125))
+    return times
 
 
 def main() -> None:
@@ -109,9 +114,9 @@ def main() -> None:
             print(int8_rows[-1], flush=True)
     attention_rows: list[list[object]] = []
     for batch, context in ((1, 512), (8, 512), (32, 256), (64, 160), (64, 1024)):
-        native, native_bf16, reference = time_attention(batch, context)
-        attention_rows.append([batch, context, round(native, 2), "-" if native_bf16 is None else round(native_bf16, 2),
-                               round(reference, 2)])
+        times = time_attention(batch, context)
+        attention_rows.append([batch, context, *("-" if times[name] is None else round(times[name], 2)  # type: ignore[arg-type]
+                                                 for name in ("float32", "bfloat16", "int8", "reference"))])
         print(attention_rows[-1], flush=True)
     simd = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"})
     text = "\n".join([
@@ -131,11 +136,11 @@ def main() -> None:
         if int8_rows else "",
         "",
         "One layer's decode attention (9 heads, 3 KV heads, 64 dims, blocks of 16, shuffled): the native kernel "
-        "reading blocks in place from a float32 and from a bf16 cache, against the torch reference (gather "
+        "reading blocks in place from a float32, a bf16 and an int8 cache, against the torch reference (gather "
         "padded blocks + SDPA, float32):",
         "",
         markdown_table(["sequences", "context tokens", "native fp32 cache ms", "native bf16 cache ms",
-                        "torch reference ms"], attention_rows),
+                        "native int8 cache ms", "torch reference ms"], attention_rows),
     ])
     if not args.no_write:
         write_section("kernels", text)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from tests.real_models import GEMMA3_270M, QWEN25_CODER_05B, fetch
+from tokenmill import LLM
 from tokenmill.bench.machine import memory_bandwidth_gbs
 from tokenmill.bench.report import machine_description, markdown_table, write_section
 from tokenmill.config import EngineConfig
@@ -122,6 +123,32 @@ def llama_rates(path: str, contexts: list[int], streams: list[int], ctk: str, st
     return rates
 
 
+FACT = "Note for the records: the access code for the storage room is 7319-KESTREL."
+QUESTION = "What is the access code for the storage room? Answer with the code only."
+
+
+def retrieval(path: str, dtypes: list[str], tokens: int) -> tuple[int, list[list[object]]]:
+    """A fact placed after the first paragraph of ~`tokens` tokens of text, asked for at the end (chat template,
+    greedy): (prompt tokens, [dtype, answer, right?])."""
+    text = (Path(__file__).parent / "data" / "grounded_texts.txt").read_text()
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    rows: list[list[object]] = []
+    prompt_tokens = 0
+    for dtype in dtypes:
+        llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory_gb=2.0, enable_prefix_caching=False)
+        body = [paragraphs[0], FACT]
+        while len(llm.tokenizer.encode("\n\n".join(body))) < tokens:
+            body += paragraphs[1:]
+        message = "\n\n".join(body) + "\n\n" + QUESTION
+        output = llm.chat([{"role": "user", "content": message}], SamplingParams(temperature=0.0, max_tokens=12))[0]
+        prompt_tokens = len(output.prompt_token_ids)
+        answer = output.outputs[0].text.strip()
+        rows.append([dtype, f"`{answer}`", "yes" if "7319" in answer else "no"])
+        print(rows[-1], flush=True)
+        del llm
+    return prompt_tokens, rows
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
@@ -137,6 +164,7 @@ def main() -> None:
     parser.add_argument("--llama-max-tokens", type=int, default=40000,
                         help="llama.cpp points whose streams x context exceed this are skipped (prefill time)")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--retrieval-tokens", type=int, default=16000, help="0: skip the long-context retrieval")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     path = args.model or str(fetch(QWEN25_CODER_05B))
@@ -163,6 +191,10 @@ def main() -> None:
     if not args.no_llama and BATCHED_BENCH.exists():
         for ctk in ("f16", "q8_0"):
             llama[ctk] = llama_rates(path, args.contexts, args.streams, ctk, args.steps, args.llama_max_tokens)
+    retrieval_rows: list[list[object]] = []
+    if args.retrieval_tokens:
+        runners.clear()  # their pools are the decode measurement's; the retrieval's engines have their own
+        prompt_tokens, retrieval_rows = retrieval(path, args.dtypes, args.retrieval_tokens)
     headers = ["context", "streams", *(f"{d} KV tok/s" for d in args.dtypes), "int8 / bf16",
                *(f"llama.cpp {k} KV tok/s" for k in llama), *(["int8 / llama q8_0"] if "q8_0" in llama else [])]
     rows: list[list[object]] = []
@@ -197,6 +229,9 @@ def main() -> None:
         "prompt tokens skipped (prefill time).",
         "",
         markdown_table(headers, rows),
+        *(["", f"Long context: a fact placed after the first paragraph of a {prompt_tokens:,}-token chat prompt "
+            f"(benchmarks/data/grounded_texts.txt repeated), asked for at the end; greedy answers:", "",
+            markdown_table(["KV dtype", "answer", "right"], retrieval_rows)] if retrieval_rows else []),
     ])
     print(text)
     if not args.no_write:

@@ -16,6 +16,7 @@ from tests.test_kernels import CPU, Batch
 from tokenmill import kernels
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.executor import model_runner
+from tokenmill.kernels import kv_attention
 from tokenmill.model import kv_quant
 from tokenmill.model.attention import allocate_layer_kv
 from tokenmill.model.kv_quant import LayerKV, kv_format
@@ -93,25 +94,44 @@ def test_native_attention_over_8bit_caches_matches_float64_on_the_dequantized_ca
     check_against_reference(name, shape, window)
 
 
-@pytest.fixture()
-def generic_attention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The attention kernel built without AVX-512 (the path AVX2 hosts run), swapped in for this test."""
+AVX2 = ["-march=native", "-mno-avx512f"]
+
+
+def use_build(flags: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention kernel built with these flags swapped in for this test (float arithmetic there)."""
     source = Path(kernels.__file__).parent / "paged_attention.c"
-    library = tmp_path / "paged_attention_avx2.so"
-    subprocess.run(["gcc", "-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fopenmp", "-shared",
-                    "-fPIC", "-std=c11", str(source), "-o", str(library), "-lm"], check=True)
+    library = tmp_path / "paged_attention_other.so"
+    subprocess.run(["gcc", "-O3", *flags, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+                    str(source), "-o", str(library), "-lm"], check=True)
     fn = ctypes.CDLL(str(library)).paged_attention
-    fn.argtypes, fn.restype = kernels._attention_fn().argtypes, None
-    monkeypatch.setattr(kernels, "_attention_fn", lambda: fn)
-    monkeypatch.setattr(kernels, "integer_attention", lambda cache: False)  # float scores there
+    fn.argtypes, fn.restype = kv_attention._attention_fn().argtypes, None
+    monkeypatch.setattr(kv_attention, "_attention_fn", lambda: fn)
+    monkeypatch.setattr(kernels, "integer_attention", lambda cache: False)
+
+
+@pytest.fixture(params=[AVX2, ["-march=x86-64"]], ids=["avx2", "generic"])
+def other_build(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paths other hosts run: without AVX-512 (the AVX2 block path, attention_avx2.h) and any x86-64 (a block
+    at a time into an L1 tile)."""
+    use_build(request.param, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("window", [None, 37])
-def test_generic_build_over_8bit_caches_matches_float64(name: str, window: int | None,
-                                                        generic_attention: None) -> None:
+def test_other_builds_over_8bit_caches_match_float64(name: str, window: int | None, other_build: None) -> None:
     check_against_reference(name, SHAPES[0], window)
+    check_against_reference(name, SHAPES[1], window)
     check_against_reference(name, SHAPES[2], window)
+
+
+def test_the_avx2_build_is_batch_invariant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token's attention over an int8 cache is bit-identical alone and next to other sequences there too."""
+    use_build(AVX2, tmp_path, monkeypatch)
+    batch = Batch(3, 9, 3, 64, 16, [(40, 40), (1, 33), (1, 129)], torch.int8)
+    whole = batch.run(batch.meta(), batch.q, batch.k, batch.v)
+    for i, rows in enumerate((slice(0, 40), slice(40, 41), slice(41, 42))):
+        meta = batch.meta([batch.seqs[i]], batch.tables[i:i + 1])
+        assert torch.equal(batch.run(meta, batch.q[rows], batch.k[rows], batch.v[rows]), whole[rows])
 
 
 @pytest.mark.parametrize("name", FORMATS)

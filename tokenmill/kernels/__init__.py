@@ -81,11 +81,6 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 @functools.cache
-def _attention_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return _function("paged_attention", "paged_attention", [_PTR] * 9 + [_I64] * 8 + [_F32, _I64, _I64])
-
-
-@functools.cache
 def _quantize_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return _function("int8_rows", "quantize_two_level", [_PTR, _I64, _I64, _I64, _PTR, _PTR])
 
@@ -212,17 +207,6 @@ def rms_norm_heads(x: torch.Tensor, heads: int, weight: torch.Tensor, eps: float
     fns.rms_norm_heads(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, weight.data_ptr(), eps)
 
 
-def _cache_pointers(cache: LayerKV) -> tuple[int, int, int | None, int | None, int]:
-    """(K, V, K scales or None, V scales or None, format code) of a layer's cache, for the kernels (kv_formats.h)."""
-    assert cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.dtype == cache.v.dtype
-    kind = cache.format.kind
-    assert kind >= 0, f"the native kernels do not read a {cache.k.dtype} cache"
-    if cache.k_scale is None or cache.v_scale is None:
-        return cache.k.data_ptr(), cache.v.data_ptr(), None, None, kind
-    assert cache.k_scale.is_contiguous() and cache.v_scale.is_contiguous()
-    return cache.k.data_ptr(), cache.v.data_ptr(), cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), kind
-
-
 def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                    slot_mapping: torch.Tensor, cache: LayerKV) -> torch.Tensor:
     """RoPE on q and k of the fused projection [T, (heads + 2 kv_heads) * head_dim]; k and v go to their cache
@@ -234,7 +218,7 @@ def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: to
     assert slot_mapping.dtype == torch.int64 and head_dim <= MAX_HEAD_DIM
     q = torch.empty(tokens, num_heads, head_dim)
     fns.rope_and_cache(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-                       sin.data_ptr(), slot_mapping.data_ptr(), cache.k.shape[3], *_cache_pointers(cache)[:4],
+                       sin.data_ptr(), slot_mapping.data_ptr(), cache.k.shape[3], *cache_pointers(cache)[:4],
                        q.data_ptr(), cache.format.kind)
     return q
 
@@ -446,7 +430,7 @@ def gguf_matmul(x: torch.Tensor, plan: GGUFMatmulPlan, bias: torch.Tensor | None
 def prepare() -> str:
     """Build every kernel now (at start-up, not in the first request's step); returns a line for the log."""
     ready = {
-        "attention": _attention_fn() is not None,
+        "attention": native_attention_available(),
         "int8 rows": int8_rows_available(),
         "grouped int8 GEMM": int8_grouped_available(),
         "layer ops": _layer_fns() is not None,
@@ -484,74 +468,6 @@ def dequantize_two_level(acc: torch.Tensor, scales: torch.Tensor, weight_scale: 
     return out
 
 
-def native_attention_available() -> bool:
-    return _attention_fn() is not None
-
-
-@functools.cache
-def attention_bf16_available() -> bool:
-    """Whether the attention kernel reads bf16 caches on this CPU at all (its AVX-512 path)."""
-    lib = load_library("paged_attention")
-    return lib is not None and bool(lib.paged_attention_bf16_available())
-
-
-def integer_attention(cache: LayerKV) -> bool:
-    """Whether the native attention runs this int8 cache in integer arithmetic (AVX512-VNNI with VBMI, blocks of
-    16, head_dim a multiple of 64): each query row quantized to int8 (scale amax / 127) for exact int32 scores,
-    each block's softmax weights times the values' scales rounded to 8 bits against the row's largest in the
-    block for exact int32 sums over V. Both per row and block: batch invariance holds."""
-    lib = load_library("paged_attention")
-    k = cache.k
-    return (lib is not None and bool(lib.paged_attention_int8_scores()) and k.dtype == torch.int8
-            and k.shape[3] == 16 and k.shape[2] % 64 == 0)
-
-
-def bf16_cache_supported(head_dim: int, block_size: int) -> bool:
-    """Whether the native attention reads a bf16 cache of these shapes (its AVX-512 path: blocks of 16,
-    head_dim a multiple of 64)."""
-    return block_size == 16 and head_dim % 64 == 0 and attention_bf16_available()
-
-
-def attention_supported(query: torch.Tensor, num_heads: int, cache: LayerKV) -> bool:
-    """Whether the native kernel takes a float32 CPU `query` of `num_heads` heads over this layer's cache (shapes
-    within its compiled limits; float32 and 8-bit caches everywhere, bf16 only on its AVX-512 path), with or
-    without a sliding window."""
-    k_cache = cache.k
-    num_kv_heads, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    bf16 = k_cache.dtype == torch.bfloat16
-    cache_ok = bf16_cache_supported(head_dim, block_size) if bf16 else cache.format.kind >= 0
-    return (
-        query.device.type == "cpu" and query.dtype == torch.float32 and cache_ok
-        and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK
-        and _attention_fn() is not None
-    )
-
-
-def paged_attention(out: torch.Tensor, query: torch.Tensor, cache: LayerKV, query_start: torch.Tensor,
-                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                    window: int | None = None) -> None:
-    """Causal attention of every query row over its sequence's cached keys (this step's K/V already written).
-
-    Sequence s owns query rows query_start[s]..query_start[s+1] (its last q_len tokens) and has seq_lens[s]
-    tokens of context after this step. out, query: [T, heads, head_dim] whose rows are contiguous (row strides
-    may differ); caches contiguous in `model.attention.allocate_kv_cache`'s layout; query_start [S+1], seq_lens [S],
-    block_tables [S, max_blocks] int64 contiguous. `window` (sliding-window layers): a row at position p sees
-    keys p - window + 1 .. p.
-    """
-    fn = _attention_fn()
-    assert fn is not None, "check attention_supported() first"
-    for index in (query_start, seq_lens, block_tables):
-        assert index.dtype == torch.int64 and index.is_contiguous()
-    assert query.stride(2) == out.stride(2) == 1 and query.stride(1) == out.stride(1) == query.shape[2]
-    heads, head_dim = query.shape[1], query.shape[2]
-    if window is not None and window < 1:
-        raise ValueError("windowed native attention needs window >= 1")
-    *pointers, kind = _cache_pointers(cache)
-    fn(out.data_ptr(), query.data_ptr(), *pointers, query_start.data_ptr(), seq_lens.data_ptr(),
-       block_tables.data_ptr(), seq_lens.shape[0], block_tables.shape[1], heads, cache.k.shape[1], head_dim,
-       cache.k.shape[3], query.stride(0), out.stride(0), scale, kind, window or 0)
-
-
 class LinearPointers(ctypes.Structure):
     """One projection for `decoder_forward` (kernels/decoder.c: Linear): int8 weights packed for the grouped
     kernel and their scales, or (packed NULL) a GGUFMatmulPlan's arrays."""
@@ -577,7 +493,7 @@ class DecoderLayerPointers(ctypes.Structure):
                 ("mlp_out_norm", _PTR), ("window", _I64), ("local_rope", _I64)]
 
     def set_cache(self, cache: LayerKV) -> None:
-        self.k_cache, self.v_cache, self.k_scale, self.v_scale, _ = _cache_pointers(cache)
+        self.k_cache, self.v_cache, self.k_scale, self.v_scale, _ = cache_pointers(cache)
 
 
 @functools.cache
@@ -656,3 +572,15 @@ def lora_add(weights: LoRAWeightsPointers, batch: LoRABatchPointers, x: torch.Te
     fn = _lora_fn()
     assert fn is not None and x.stride(1) == 1 and y.stride(1) == 1 and x.dtype == y.dtype == torch.float32
     fn(ctypes.addressof(weights), ctypes.addressof(batch), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0))
+
+
+# the attention kernel's loading and calls live in their own module (it needs the helpers above)
+from tokenmill.kernels.kv_attention import (  # noqa: E402, F401 - re-exported: kernels.paged_attention & co.
+    attention_bf16_available,
+    attention_supported,
+    bf16_cache_supported,
+    cache_pointers,
+    integer_attention,
+    native_attention_available,
+    paged_attention,
+)

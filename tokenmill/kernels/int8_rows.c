@@ -176,6 +176,7 @@ void int8_linear_grouped(const float *x, int64_t rows, int64_t k, int64_t x_stri
     free(corr);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+#include "vec_exp.h"  // hmax8
 // The same grouped int8 linear on AVX2 hosts (no VNNI): weights packed as [n/8][k/4][8][4] signed bytes (no
 // offset). Four products of one output are summed in int32 by llama.cpp's sign trick: maddubs(|x|, w * sign(x))
 // multiplies unsigned by signed bytes into int16 pairs (|x|, |w| <= 127, so a pair never saturates), madd sums
@@ -191,12 +192,6 @@ int int8_pack_offset(void) { return 0; }
 
 #define GROUP 32
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
 
 static inline int32_t hsum8_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));

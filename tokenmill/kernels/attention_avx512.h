@@ -1,0 +1,263 @@
+// The AVX-512 block path of paged_attention.c (included there; it uses that file's definitions): blocks of 16
+// tokens, head_dim a multiple of 64, every cache format, and on AVX512-VNNI hosts with VBMI an int8 cache in
+// integer arithmetic.
+#if defined(__AVX512F__)
+// Blocks of 16 tokens and head_dim a multiple of 64 in AVX-512, with float32 or bf16 caches: one block's 16
+// scores of a row are one register. Per row and block: each score a dot product over head_dim in four
+// interleaved partial sums ((p0 + p1) + (p2 + p3)), the block max and sum as fixed-order register reductions,
+// e^x by exp512_ps, then acc = acc * correction + sum_t p[t] v[t]. Every row goes through exactly these
+// operations whatever its tile, so batch invariance holds as in the generic path (whose operation order
+// differs: the two paths are never mixed on one machine). bf16 values widen exactly to float32; all arithmetic
+// is float32.
+int paged_attention_bf16_available(void) { return 1; }
+
+// 16 consecutive stored values as float32: exact for float32/bf16; an 8-bit value before its scale (e4m3
+// through its float16 bit pattern, which is the value / 256: kv_scale16 puts the 256 back)
+static inline __attribute__((always_inline)) __m512 load_kv(const void *base, int64_t index, const int kind) {
+    if (kind == KV_BF16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    if (kind == KV_F32) return _mm512_loadu_ps((const float *)base + index);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + index));
+    if (kind == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+    const __m256i wide = _mm256_cvtepu8_epi16(raw);
+    if (kind == KV_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(wide, 8));  // e5m2 is float16's high byte
+    const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7f)), 7);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_cvtph_ps(_mm256_or_si256(magnitude, sign));
+}
+
+// the 16 tokens' scales of an 8-bit block (bf16 widened), times 256 for e4m3 (see load_kv)
+static inline __attribute__((always_inline)) __m512 kv_scale16(const uint16_t *scales, const int kind) {
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)scales)), 16));
+    return kind == KV_E4M3 ? _mm512_mul_ps(s, _mm512_set1_ps(256.0f)) : s;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// Integer scores over int8 keys (AVX512-VNNI): each score an exact int32 sum over head_dim, so a row's scores
+// do not depend on the rows beside it, then scaled by its query's and the key's scales.
+#define INT8_SCORES 1
+int paged_attention_int8_scores(void) { return 1; }
+static inline __attribute__((always_inline)) void block_scores16_int8(float out[][MAX_BLOCK], const QuantRow *rows,
+                                                                      int n_rows, const int8_t *kt,
+                                                                      const uint16_t *ks, int64_t head_dim,
+                                                                      const char *next_k, const char *next_v) {
+    // bytes (d + j, t) of 4 key rows [4][16] -> per token t its 4 values (the word vpdpbusd takes)
+    static const uint8_t interleave[64] = {
+        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+        6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+        12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+    const __m512i index = _mm512_loadu_si512(interleave);
+    const __m512i bias = _mm512_set1_epi8((char)0x80);  // k + 128: vpdpbusd's unsigned operand
+    const __m512 key_scales = kv_scale16(ks, KV_INT8);
+    for (int r0 = 0; r0 < n_rows; r0 += 8) {
+        const int count = n_rows - r0 < 8 ? n_rows - r0 : 8;
+        __m512i acc[8];
+        for (int r = 0; r < count; ++r) acc[r] = _mm512_setzero_si512();
+        for (int64_t g = 0; g < head_dim / 4; ++g) {
+            if (next_k != NULL && r0 == 0) {  // a line of a later block's K and V per step (see block_scores16)
+                _mm_prefetch(next_k + g * 64, PF_HINT);
+                _mm_prefetch(next_v + g * 64, PF_HINT);
+            }
+            const __m512i k = _mm512_xor_si512(
+                _mm512_permutexvar_epi8(index, _mm512_loadu_si512(kt + g * 64)), bias);
+            for (int r = 0; r < count; ++r)
+                acc[r] = _mm512_dpbusd_epi32(acc[r], k, _mm512_set1_epi32(rows[r0 + r].q4[g]));
+        }
+        for (int r = 0; r < count; ++r) {
+            const __m512 dot = _mm512_cvtepi32_ps(
+                _mm512_sub_epi32(acc[r], _mm512_set1_epi32(rows[r0 + r].correction)));
+            _mm512_storeu_ps(out[r0 + r], _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(rows[r0 + r].scale)),
+                                                        key_scales));
+        }
+    }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_t w_r[t] v[t] over an int8 block for up to 8 rows, the weights w_r (softmax
+// numerators times the values' scales, >= 0) rounded to 8 bits against their row's largest in the block, so
+// that each output is an exact int32 sum over the block's 16 values (vpdpbusd, four tokens a lane), scaled once.
+static inline __attribute__((always_inline)) void accumulate_rows_int8(float acc[][MAX_HEAD_DIM],
+                                                                       const float *corr, float w[][MAX_BLOCK],
+                                                                       const int rows, const int8_t *vb,
+                                                                       int64_t head_dim) {
+    static const uint8_t interleave[64] = {
+        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+        6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+        12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+    const __m512i index = _mm512_loadu_si512(interleave);
+    int32_t w8[8][4];  // each row's 16 weights as bytes, four tokens a word
+    float w_scale[8];
+    for (int r = 0; r < rows; ++r) {
+        const __m512 wv = _mm512_loadu_ps(w[r]);
+        const float w_max = _mm512_reduce_max_ps(wv);
+        w_scale[r] = w_max / 255.0f;
+        const __m512 inverse = _mm512_set1_ps(w_max > 0.0f ? 255.0f / w_max : 0.0f);
+        _mm_storeu_si128((__m128i *)w8[r], _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(wv, inverse))));
+    }
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        __m512i sums[8];
+        for (int r = 0; r < rows; ++r) sums[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g) {  // tokens 4g .. 4g + 3: their 16 values at d each
+            const int8_t *v = vb + 4 * g * head_dim + d;
+            __m512i four = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)v));
+            four = _mm512_inserti32x4(four, _mm_loadu_si128((const __m128i *)(v + head_dim)), 1);
+            four = _mm512_inserti32x4(four, _mm_loadu_si128((const __m128i *)(v + 2 * head_dim)), 2);
+            four = _mm512_inserti32x4(four, _mm_loadu_si128((const __m128i *)(v + 3 * head_dim)), 3);
+            const __m512i values = _mm512_permutexvar_epi8(index, four);
+            for (int r = 0; r < rows; ++r)
+                sums[r] = _mm512_dpbusd_epi32(sums[r], _mm512_set1_epi32(w8[r][g]), values);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const __m512 kept = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d), _mm512_set1_ps(corr[r]));
+            _mm512_storeu_ps(acc[r] + d, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(w_scale[r]),
+                                                         kept));
+        }
+    }
+}
+#endif
+
+// `next_k`/`next_v` (or NULL): a later block's K and V, fetched a line or two per step of the loop (as much
+// as the step reads of this block): issued all at once, the prefetches fill the core's miss buffers and stall it.
+// An 8-bit block's scores are the dot products of the stored values times the keys' scales (`ks`).
+static inline __attribute__((always_inline)) void block_scores16(float out[][MAX_BLOCK], const float *const *q,
+                                                                 const void *kt, const uint16_t *ks,
+                                                                 int64_t head_dim, const int rows, const int kind,
+                                                                 const char *next_k, const char *next_v) {
+    const int64_t elem = kv_elem_bytes(kind);
+    __m512 a[4][4];
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 4) {
+        if (next_k != NULL)
+            for (int64_t at = d * 16 * elem; at < (d + 4) * 16 * elem; at += 64) {
+                _mm_prefetch(next_k + at, PF_HINT);
+                _mm_prefetch(next_v + at, PF_HINT);
+            }
+        for (int j = 0; j < 4; ++j) {
+            const __m512 k = load_kv(kt, (d + j) * 16, kind);
+            for (int r = 0; r < rows; ++r) a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + j]), k, a[r][j]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        const __m512 dot = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
+        _mm512_storeu_ps(out[r], kv_scaled(kind) ? _mm512_mul_ps(dot, kv_scale16(ks, kind)) : dot);
+    }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_{t < n} p_r[t] v[t] for up to 8 rows at once, 16 dims at a time, so each V
+// vector is loaded (and widened) once for all of them. A row's p is 0 past its own keys and those slots hold this
+// step's (finite) values, so the extra terms add exactly 0: a row's result does not depend on the rows beside it.
+static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MAX_HEAD_DIM], const float *corr,
+                                                                  float s[][MAX_BLOCK], const int rows, int n,
+                                                                  const void *vb, int64_t head_dim, const int kind) {
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        __m512 a[8];
+        for (int r = 0; r < rows; ++r) a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d), _mm512_set1_ps(corr[r]));
+        for (int t = 0; t < n; ++t) {
+            const __m512 v = load_kv(vb, t * head_dim + d, kind);
+            for (int r = 0; r < rows; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][t]), v, a[r]);
+        }
+        for (int r = 0; r < rows; ++r) _mm512_storeu_ps(acc[r] + d, a[r]);
+    }
+}
+
+// `ks`, `vs`: the block's K and V scales (8-bit formats; else unused). The softmax weights of an 8-bit block
+// are multiplied by the values' scales once the row's sum has taken them.
+static inline __attribute__((always_inline)) void attend_block16(
+    float acc[][MAX_HEAD_DIM], float *m, float l[][16], float s[][MAX_BLOCK], const float *const *qs, const int64_t *len,
+    const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
+    const uint16_t *ks, const uint16_t *vs, const QuantRow *qr, int64_t head_dim, float scale, const int kind,
+    const char *next_k, const char *next_v) {
+    int64_t r = first_row;
+#ifdef INT8_SCORES
+    if (kind == KV_INT8) {
+        block_scores16_int8(s + r, qr + r, (int)(n_rows - r), (const int8_t *)kt, ks, head_dim, next_k, next_v);
+        r = n_rows;
+    }
+#else
+    (void)qr;
+#endif
+    for (; r + 4 <= n_rows; r += 4) {
+        block_scores16(s + r, qs + r, kt, ks, head_dim, 4, kind, next_k, next_v);
+        next_k = next_v = NULL;  // fetched once
+    }
+    switch (n_rows - r) {
+        case 3: block_scores16(s + r, qs + r, kt, ks, head_dim, 3, kind, next_k, next_v); break;
+        case 2: block_scores16(s + r, qs + r, kt, ks, head_dim, 2, kind, next_k, next_v); break;
+        case 1: block_scores16(s + r, qs + r, kt, ks, head_dim, 1, kind, next_k, next_v); break;
+        default: break;
+    }
+    float corr[MAX_TILE];
+    int keys[MAX_TILE];  // this block's keys each row sees
+    for (int64_t i = first_row; i < n_rows; ++i) {
+        const int64_t left = len[i] - block_start;
+        const int n = left < 16 ? (int)left : 16;
+        // keys before a sliding window's start weigh exp(-inf) = 0 (a row given this block sees at least one)
+        const int before = lo == NULL || lo[i] <= block_start ? 0 : (int)(lo[i] - block_start);
+        const __mmask16 mask = (__mmask16)((n == 16 ? 0xFFFFu : (1u << n) - 1) & ~((1u << before) - 1));
+        const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(s[i]), _mm512_set1_ps(scale));
+        float block_max = _mm512_mask_reduce_max_ps(mask, sv);
+        block_max = m[i] > block_max ? m[i] : block_max;
+        // exp(-inf) = 0 on the first block; exp(0) = 1 exactly, the common case once the context is long
+        corr[i] = block_max == m[i] ? 1.0f : expf(m[i] - block_max);
+        const __m512 p = _mm512_maskz_mov_ps(mask, exp512_ps(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
+        // the denominators in 16 lanes, summed once at the end: no horizontal add per block
+        _mm512_storeu_ps(l[i], _mm512_fmadd_ps(_mm512_loadu_ps(l[i]), _mm512_set1_ps(corr[i]), p));
+        _mm512_storeu_ps(s[i], kv_scaled(kind) ? _mm512_mul_ps(p, kv_scale16(vs, kind)) : p);
+        m[i] = block_max;
+        keys[i] = n;
+    }
+#ifdef INT8_SCORES
+    if (kind == KV_INT8) {
+        for (r = first_row; r < n_rows; r += 8) {
+            const int rows = n_rows - r < 8 ? (int)(n_rows - r) : 8;
+            accumulate_rows_int8(acc + r, corr + r, s + r, rows, (const int8_t *)vb, head_dim);
+        }
+        return;
+    }
+#endif
+    // rows are in position order: the last of a group sees the most keys
+    for (r = first_row; r < n_rows; r += 8) {
+        const int rows = n_rows - r < 8 ? (int)(n_rows - r) : 8;
+        switch (rows) {
+            case 8: accumulate_rows(acc + r, corr + r, s + r, 8, keys[r + 7], vb, head_dim, kind); break;
+            case 7: accumulate_rows(acc + r, corr + r, s + r, 7, keys[r + 6], vb, head_dim, kind); break;
+            case 6: accumulate_rows(acc + r, corr + r, s + r, 6, keys[r + 5], vb, head_dim, kind); break;
+            case 5: accumulate_rows(acc + r, corr + r, s + r, 5, keys[r + 4], vb, head_dim, kind); break;
+            case 4: accumulate_rows(acc + r, corr + r, s + r, 4, keys[r + 3], vb, head_dim, kind); break;
+            case 3: accumulate_rows(acc + r, corr + r, s + r, 3, keys[r + 2], vb, head_dim, kind); break;
+            case 2: accumulate_rows(acc + r, corr + r, s + r, 2, keys[r + 1], vb, head_dim, kind); break;
+            default: accumulate_rows(acc + r, corr + r, s + r, 1, keys[r], vb, head_dim, kind); break;
+        }
+    }
+}
+
+// one specialization per format, so each inlines its own loads
+#define ATTEND_BLOCK16(name, kind)                                                                              \
+    static void name(float acc[][MAX_HEAD_DIM], float *m, float l[][16], float s[][MAX_BLOCK], const float *const *qs, \
+                     const int64_t *len, const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, \
+                     const void *kt, const void *vb, const uint16_t *ks, const uint16_t *vs, const QuantRow *qr,   \
+                     int64_t head_dim, float scale, const char *next_k, const char *next_v) {                     \
+        attend_block16(acc, m, l, s, qs, len, lo, first_row, n_rows, block_start, kt, vb, ks, vs, qr, head_dim,    \
+                       scale, kind, next_k, next_v);                                                              \
+    }
+ATTEND_BLOCK16(attend_block16_f32, KV_F32)
+ATTEND_BLOCK16(attend_block16_bf16, KV_BF16)
+ATTEND_BLOCK16(attend_block16_int8, KV_INT8)
+ATTEND_BLOCK16(attend_block16_e4m3, KV_E4M3)
+ATTEND_BLOCK16(attend_block16_e5m2, KV_E5M2)
+#undef ATTEND_BLOCK16
+typedef void (*AttendBlock16)(float[][MAX_HEAD_DIM], float *, float[][16], float[][MAX_BLOCK], const float *const *,
+                              const int64_t *, const int64_t *, int64_t, int64_t, int64_t, const void *, const void *,
+                              const uint16_t *, const uint16_t *, const QuantRow *, int64_t, float, const char *,
+                              const char *);
+static const AttendBlock16 attend_block16_of[] = {attend_block16_f32, attend_block16_bf16, attend_block16_int8,
+                                                  attend_block16_e4m3, attend_block16_e5m2};
+#else
+int paged_attention_bf16_available(void) { return 0; }
+#endif
+#ifndef INT8_SCORES
+int paged_attention_int8_scores(void) { return 0; }
+#endif
