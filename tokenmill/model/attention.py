@@ -125,11 +125,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (K, V) value tensors. K keeps each block's keys transposed, [blocks, kv_heads, head_dim, block],
     so a block's scores are one vector over its tokens; V is [blocks, kv_heads, block, head_dim]."""
-    k_shape = (num_blocks, num_kv_heads, head_dim, block_size)
-    v_shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    if device.type != "cpu":
-        return torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device)
-    return _untouched_zeros(k_shape, dtype), _untouched_zeros(v_shape, dtype)
+    return (_zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype, device),
+            _zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype, device))
 
 
 def allocate_layer_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: KVFormat,
@@ -139,9 +136,12 @@ def allocate_layer_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_
     k, v = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, fmt.storage, device)
     if not fmt.scaled:
         return LayerKV(k, v)
-    scales = [allocate_kv_cache(num_blocks, block_size, num_kv_heads, 1, SCALE_DTYPE, device)[1].view(
-        num_blocks, num_kv_heads, block_size) for _ in range(2)]
-    return LayerKV(k, v, *scales)
+    shape = (num_blocks, num_kv_heads, block_size)
+    return LayerKV(k, v, _zeros(shape, SCALE_DTYPE, device), _zeros(shape, SCALE_DTYPE, device))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _untouched_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

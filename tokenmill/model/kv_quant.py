@@ -57,9 +57,12 @@ def kv_format(name: str) -> KVFormat:
         raise ValueError(f"unknown KV cache dtype {name!r}; choices: {', '.join(KV_FORMATS)}") from None
 
 
+_BY_STORAGE = {f.storage: f for f in KV_FORMATS.values()}
+
+
 def format_of(cache: torch.Tensor) -> KVFormat:
     """The format of a K or V value tensor (its dtype names it)."""
-    return next(f for f in KV_FORMATS.values() if f.storage == cache.dtype)
+    return _BY_STORAGE[cache.dtype]
 
 
 @dataclass
@@ -88,9 +91,7 @@ class LayerKV:
 
 def round_up_bf16(x: torch.Tensor) -> torch.Tensor:
     """float32 -> the smallest bfloat16 >= x (x >= 0, finite), as float32."""
-    bits = x.view(torch.int32)
-    rounded = ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
-    return torch.where(x > 0, rounded, x)
+    return ((x.view(torch.int32) + 0xFFFF) & ~0xFFFF).view(torch.float32)
 
 
 def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,18 +119,14 @@ def write(cache: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
     block_size = cache.v.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     fmt = cache.format
-    if not fmt.scaled:
-        cache.k[blocks, :, :, offsets] = k.to(cache.k.dtype)
-        cache.v[blocks, :, offsets, :] = v.to(cache.v.dtype)
-        return
-    assert cache.k_scale is not None and cache.v_scale is not None
-    for values, scales, x, is_key in ((cache.k, cache.k_scale, k, True), (cache.v, cache.v_scale, v, False)):
-        q, s = quantize(x, fmt)
-        if is_key:
-            values[blocks, :, :, offsets] = q
-        else:
-            values[blocks, :, offsets, :] = q
-        scales[blocks, :, offsets] = s
+    if fmt.scaled:
+        assert cache.k_scale is not None and cache.v_scale is not None
+        k, k_scale = quantize(k, fmt)
+        v, v_scale = quantize(v, fmt)
+        cache.k_scale[blocks, :, offsets] = k_scale
+        cache.v_scale[blocks, :, offsets] = v_scale
+    cache.k[blocks, :, :, offsets] = k.to(cache.k.dtype)
+    cache.v[blocks, :, offsets, :] = v.to(cache.v.dtype)
 
 
 def gather(cache: LayerKV, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
