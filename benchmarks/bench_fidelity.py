@@ -69,9 +69,11 @@ def tokenmill_outputs(path: str, mode: str, prompts: list[list[int]]) -> list[li
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def llamacpp_outputs(path: str, prompts: list[list[int]]) -> list[list[int]] | None:
-    """llama-server's greedy tokens for the prompts (None where llama.cpp is not built)."""
-    with llamacpp_server(path) as url:
+def llamacpp_outputs(path: str, prompts: list[list[int]], kv_type: str = "f16") -> list[list[int]] | None:
+    """llama-server's greedy tokens for the prompts (None where llama.cpp is not built); `kv_type`: its K/V cache
+    type (-ctk/-ctv; quantized V needs flash attention)."""
+    extra = () if kv_type == "f16" else ("-ctk", kv_type, "-ctv", kv_type, "-fa", "on")
+    with llamacpp_server(path, extra) as url:
         if url is None:
             return None
         outputs = []
@@ -98,8 +100,10 @@ def score(outputs: list[list[int]], expected: list[list[int]], gaps: list[list[f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES),
+    parser.add_argument("--modes", nargs="*", default=list(MODES),
                         help="--quantization values, each optionally with :KV_CACHE_DTYPE (auto:float32)")
+    parser.add_argument("--llama-kv-types", nargs="*", default=["f16"],
+                        help="llama-server's K/V cache types to run (f16 = its default; q8_0, q4_0, ...)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     path = args.model or bundled_model_path()
@@ -112,11 +116,13 @@ def main() -> None:
         rows.append([name, f"{faithful}/{len(prompts)}", f"{identical}/{len(prompts)}",
                      f"{prefix:.1f}"])
         print(rows[-1], flush=True)
-    peer = llamacpp_outputs(path, prompts)
-    if peer is not None:
+    for kv_type in args.llama_kv_types:
+        peer = llamacpp_outputs(path, prompts, kv_type)
+        if peer is None:
+            break
         faithful, identical, prefix = score(peer, expected, gaps)
-        rows.append(["llama.cpp llama-server", f"{faithful}/{len(prompts)}", f"{identical}/{len(prompts)}",
-                     f"{prefix:.1f}"])
+        name = "llama.cpp llama-server" + ("" if kv_type == "f16" else f" -ctk/-ctv {kv_type}")
+        rows.append([name, f"{faithful}/{len(prompts)}", f"{identical}/{len(prompts)}", f"{prefix:.1f}"])
         print(rows[-1], flush=True)
     table = markdown_table(["engine", "faithful (equal up to a near-tie)", f"all {NEW_TOKENS} tokens equal",
                             "mean common prefix (tokens)"], rows)

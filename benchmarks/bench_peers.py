@@ -75,8 +75,8 @@ LLAMACPP_SLOTS, LLAMACPP_BATCH, LLAMACPP_CTX_PER_SLOT = 32, 512, 4096
 
 
 @contextmanager
-def llamacpp_server(model: str | None = None) -> Iterator[str | None]:
-    """llama-server on `model` (default: llamacpp.sh's copy of the bundled file)."""
+def llamacpp_server(model: str | None = None, extra: tuple[str, ...] = ()) -> Iterator[str | None]:
+    """llama-server on `model` (default: llamacpp.sh's copy of the bundled file); `extra`: more flags."""
     binary = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
     if not binary.exists():
         yield None
@@ -88,7 +88,7 @@ def llamacpp_server(model: str | None = None) -> Iterator[str | None]:
     command = [str(binary), "-m", model, "--host",
                "127.0.0.1", "--port", str(port), "--alias", "smollm2", "-np", str(LLAMACPP_SLOTS),
                "-c", str(LLAMACPP_SLOTS * LLAMACPP_CTX_PER_SLOT), "-cb", "-t", threads, "-tb", threads,
-               "-b", str(LLAMACPP_BATCH), "-ub", str(LLAMACPP_BATCH), "--no-kv-unified", "--no-webui"]
+               "-b", str(LLAMACPP_BATCH), "-ub", str(LLAMACPP_BATCH), "--no-kv-unified", "--no-webui", *extra]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

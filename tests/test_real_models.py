@@ -123,6 +123,28 @@ def test_tokenizer_matches_transformers_and_every_merge(real: Path, hf: tuple[An
 QUANTIZED = ("int8", "gguf")  # gguf: the file's blocks executed as stored
 
 
+def _agreement_and_perplexity(runners: dict[str, ModelRunner], reference: str, sequences: list[list[int]],
+                              label: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Teacher-forced top-1 agreement of each runner with `reference` over the sequences, and each runner's
+    perplexity of them."""
+    agree = dict.fromkeys(runners, 0)
+    nll = dict.fromkeys(runners, 0.0)
+    total = 0
+    for ids in sequences:
+        logits = {name: runner.prompt_logits(ids).float() for name, runner in runners.items()}
+        target = torch.tensor(ids[1:])
+        for name, value in logits.items():
+            agree[name] += int((logits[reference].argmax(-1) == value.argmax(-1)).sum())
+            nll[name] += float(torch.nn.functional.cross_entropy(value[:-1], target, reduction="sum"))
+        total += len(ids)
+    assert total > 700
+    agreement = {name: count / total for name, count in agree.items()}
+    ppl = {name: math.exp(value / (total - len(sequences))) for name, value in nll.items()}
+    print(f"{label}: top-1 agreement with {reference} { {n: round(a, 4) for n, a in agreement.items()} } over "
+          f"{total}; perplexity {ppl}")
+    return agreement, ppl
+
+
 def test_quantized_quality_gate(real: Path, float_llm: LLM, float_outputs: list[Any]) -> None:
     """int8 and the file's own blocks (gguf): teacher-forced top-1 agreement with float32 >= 97% over the
     prompts and their float32 continuations, perplexity of those sequences within +2%."""
@@ -133,23 +155,9 @@ def test_quantized_quality_gate(real: Path, float_llm: LLM, float_outputs: list[
     runners = {"none": float_runner} | {
         mode: ModelRunner(EngineConfig(num_kv_blocks=64, quantization=mode), loaded.config, loaded.weights)
         for mode in QUANTIZED}
-    agree = dict.fromkeys(QUANTIZED, 0)
-    total = 0
-    nll = dict.fromkeys(runners, 0.0)
-    for ids in sequences:
-        logits = {mode: runner.prompt_logits(ids).float() for mode, runner in runners.items()}
-        for mode in QUANTIZED:
-            agree[mode] += int((logits["none"].argmax(-1) == logits[mode].argmax(-1)).sum())
-        total += len(ids)
-        target = torch.tensor(ids[1:])
-        for mode, value in logits.items():
-            nll[mode] += float(torch.nn.functional.cross_entropy(value[:-1], target, reduction="sum"))
-    ppl = {mode: math.exp(value / (total - len(sequences))) for mode, value in nll.items()}
-    print(f"{real.name}: top-1 agreement { {m: round(a / total, 4) for m, a in agree.items()} } over {total}; "
-          f"perplexity {ppl}")
-    assert total > 700
+    agreement, ppl = _agreement_and_perplexity(runners, "none", sequences, real.name)
     for mode in QUANTIZED:
-        assert agree[mode] / total >= 0.97, mode
+        assert agreement[mode] >= 0.97, mode
         assert ppl[mode] <= ppl["none"] * 1.02, mode
 
 
@@ -163,22 +171,9 @@ def test_8bit_kv_cache_quality_gate(real: Path, float_outputs: list[Any]) -> Non
     loaded = load_model(str(real))
     runners = {kv: ModelRunner(EngineConfig(num_kv_blocks=64, quantization="gguf", kv_cache_dtype=kv),
                                loaded.config, loaded.weights) for kv in ("bfloat16", *KV_8BIT)}
-    agree = dict.fromkeys(KV_8BIT, 0)
-    nll = dict.fromkeys(runners, 0.0)
-    total = 0
-    for ids in sequences:
-        logits = {kv: runner.prompt_logits(ids).float() for kv, runner in runners.items()}
-        for kv in KV_8BIT:
-            agree[kv] += int((logits["bfloat16"].argmax(-1) == logits[kv].argmax(-1)).sum())
-        total += len(ids)
-        target = torch.tensor(ids[1:])
-        for kv, value in logits.items():
-            nll[kv] += float(torch.nn.functional.cross_entropy(value[:-1], target, reduction="sum"))
-    ppl = {kv: math.exp(value / (total - len(sequences))) for kv, value in nll.items()}
-    print(f"{real.name}: KV top-1 agreement with bf16 KV { {kv: round(a / total, 4) for kv, a in agree.items()} } "
-          f"over {total}; perplexity {ppl}")
+    agreement, ppl = _agreement_and_perplexity(runners, "bfloat16", sequences, f"{real.name} KV")
     for kv in KV_8BIT:
-        assert agree[kv] / total >= 0.97, kv
+        assert agreement[kv] >= 0.97, kv
         assert ppl[kv] <= ppl["bfloat16"] * 1.01, kv
 
 

@@ -103,20 +103,7 @@ static inline __attribute__((always_inline)) void attend_block16_avx2(
         m[i] = block_max;
         keys[i] = n;
     }
-    // rows are in position order: the last of a group sees the most keys
-    for (r = first_row; r < n_rows; r += 8) {
-        const int rows = n_rows - r < 8 ? (int)(n_rows - r) : 8;
-        switch (rows) {
-            case 8: accumulate_rows8(acc + r, corr + r, s + r, 8, keys[r + 7], vb, head_dim, kind); break;
-            case 7: accumulate_rows8(acc + r, corr + r, s + r, 7, keys[r + 6], vb, head_dim, kind); break;
-            case 6: accumulate_rows8(acc + r, corr + r, s + r, 6, keys[r + 5], vb, head_dim, kind); break;
-            case 5: accumulate_rows8(acc + r, corr + r, s + r, 5, keys[r + 4], vb, head_dim, kind); break;
-            case 4: accumulate_rows8(acc + r, corr + r, s + r, 4, keys[r + 3], vb, head_dim, kind); break;
-            case 3: accumulate_rows8(acc + r, corr + r, s + r, 3, keys[r + 2], vb, head_dim, kind); break;
-            case 2: accumulate_rows8(acc + r, corr + r, s + r, 2, keys[r + 1], vb, head_dim, kind); break;
-            default: accumulate_rows8(acc + r, corr + r, s + r, 1, keys[r], vb, head_dim, kind); break;
-        }
-    }
+    FOR_RUNS_OF_8_ROWS(accumulate_rows8, first_row, n_rows, vb, head_dim, kind);
 }
 
 // one specialization per 8-bit format (indexed by kind - KV_INT8), so each inlines its own loads

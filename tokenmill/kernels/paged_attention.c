@@ -109,6 +109,23 @@ static void quantize_query(const float *q, int64_t head_dim, QuantRow *row) {
 }
 
 
+// acc_rows(acc + r, corr + r, s + r, ROWS, keys[r + ROWS - 1], ...) over runs of up to 8 rows from first_row,
+// ROWS a constant in each call so that the run's loops unroll (rows are in position order: a run's last row
+// sees the most keys)
+#define FOR_RUNS_OF_8_ROWS(acc_rows, first_row, n_rows, ...)                                                      \
+    for (int64_t r_ = (first_row); r_ < (n_rows); r_ += 8) {                                                      \
+        switch ((n_rows) - r_ < 8 ? (n_rows) - r_ : 8) {                                                          \
+            case 8: acc_rows(acc + r_, corr + r_, s + r_, 8, keys[r_ + 7], __VA_ARGS__); break;                   \
+            case 7: acc_rows(acc + r_, corr + r_, s + r_, 7, keys[r_ + 6], __VA_ARGS__); break;                   \
+            case 6: acc_rows(acc + r_, corr + r_, s + r_, 6, keys[r_ + 5], __VA_ARGS__); break;                   \
+            case 5: acc_rows(acc + r_, corr + r_, s + r_, 5, keys[r_ + 4], __VA_ARGS__); break;                   \
+            case 4: acc_rows(acc + r_, corr + r_, s + r_, 4, keys[r_ + 3], __VA_ARGS__); break;                   \
+            case 3: acc_rows(acc + r_, corr + r_, s + r_, 3, keys[r_ + 2], __VA_ARGS__); break;                   \
+            case 2: acc_rows(acc + r_, corr + r_, s + r_, 2, keys[r_ + 1], __VA_ARGS__); break;                   \
+            default: acc_rows(acc + r_, corr + r_, s + r_, 1, keys[r_], __VA_ARGS__); break;                      \
+        }                                                                                                         \
+    }
+
 #include "attention_avx512.h"
 #include "attention_avx2.h"
 
