@@ -104,6 +104,9 @@ def main() -> None:
                         help="--quantization values, each optionally with :KV_CACHE_DTYPE (auto:float32)")
     parser.add_argument("--llama-kv-types", nargs="*", default=["f16"],
                         help="llama-server's K/V cache types to run (f16 = its default; q8_0, q4_0, ...)")
+    parser.add_argument("--section", default="fidelity",
+                        help="docs/BENCHMARKS.md section to write, followed by the file's name (kv-fidelity: the "
+                             "KV cache dtypes' runs)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     path = args.model or bundled_model_path()
@@ -131,7 +134,7 @@ def main() -> None:
             f"File: {Path(path).name}, {len(prompts)} prompts.\n\n{table}\n")
     print(table)
     if not args.no_write:
-        write_section(f"fidelity-{Path(path).stem.lower()}", body)
+        write_section(f"{args.section}-{Path(path).stem.lower()}", body)
         print("wrote docs/BENCHMARKS.md")
 
 

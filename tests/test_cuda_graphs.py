@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from tests.conftest import DEVICE
 from tokenmill import LLM, SamplingParams
@@ -40,6 +41,12 @@ def test_graphs_apply_only_to_a_cuda_device_with_the_triton_kernels(monkeypatch:
     assert eager_reason(dataclasses.replace(cuda, block_size=8), model) is not None  # tl.dot needs 16
     assert eager_reason(dataclasses.replace(cuda, enforce_eager=True), model) == "--enforce-eager"
     assert eager_reason(dataclasses.replace(cuda, enable_lora=True), model) == "LoRA adapters"
+    fp8 = dataclasses.replace(cuda, kv_cache_dtype="fp8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    assert eager_reason(fp8, model) is not None and "fp8" in str(eager_reason(fp8, model))
+    assert eager_reason(dataclasses.replace(cuda, kv_cache_dtype="int8"), model) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    assert eager_reason(fp8, model) is None
     longrope = dataclasses.replace(model, rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0))
     assert eager_reason(cuda, longrope) == "length-dependent rope scaling"
 

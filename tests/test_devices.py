@@ -4,6 +4,7 @@ serve a CUDA layer, how the KV pool is sized from the device's memory."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,6 +50,13 @@ def test_triton_layer_selection_needs_cuda_and_tileable_shapes(monkeypatch: pyte
     monkeypatch.setattr(triton_ops, "triton_usable", lambda device: True)
     cache = LayerKV(torch.empty(1, 2, 64, 16), torch.empty(1, 2, 16, 64))
     assert not gpu_kernels_apply(torch.empty(1, 8), cache)  # a CPU tensor keeps the CPU kernels
+    on_gpu = SimpleNamespace(device=torch.device("cuda"))  # only its device is read
+    fp8 = LayerKV(torch.empty(1, 2, 64, 16, dtype=torch.float8_e4m3fn), torch.empty(1, 2, 16, 64,
+                                                                                  dtype=torch.float8_e4m3fn))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert gpu_kernels_apply(on_gpu, cache) and not gpu_kernels_apply(on_gpu, fp8)  # Triton's fp8 needs 8.9
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert gpu_kernels_apply(on_gpu, fp8)
     assert triton_ops.attention_shapes_supported(64, 16) and not triton_ops.attention_shapes_supported(96, 16)
 
 

@@ -52,6 +52,8 @@ def eager_reason(config: EngineConfig, model_config: ModelConfig) -> str | None:
     if not triton_ops.attention_kernel_serves(device, model_config.head_dim, config.block_size):
         # the torch reference attention builds its tensors from host arrays each step: nothing to capture
         return "no Triton attention kernel for this device and shape"
+    if config.kv_cache_dtype.startswith("fp8") and torch.cuda.get_device_capability(device) < (8, 9):
+        return "an fp8 KV cache below compute capability 8.9 (the torch attention reads it)"
     if config.enable_lora:
         return "LoRA adapters"
     if model_config.rope_scaling.length_dependent:

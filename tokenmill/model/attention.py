@@ -195,8 +195,12 @@ def paged_attention(
 
 def gpu_kernels_apply(x: torch.Tensor, cache: LayerKV) -> bool:
     """The Triton kernels serve a layer whose activations are `x`: a CUDA device with triton, a cache of shapes
-    they tile (head_dim is the K cache's dimension 2)."""
-    return triton_ops.attention_kernel_serves(x.device, cache.k.shape[2], cache.k.shape[3])
+    they tile (head_dim is the K cache's dimension 2); fp8 caches from compute capability 8.9 on (Triton's fp8
+    conversions), older GPUs take the torch path for them."""
+    if not triton_ops.attention_kernel_serves(x.device, cache.k.shape[2], cache.k.shape[3]):
+        return False
+    fp8 = cache.k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return not fp8 or torch.cuda.get_device_capability(x.device) >= (8, 9)
 
 
 def _window_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
