@@ -2,13 +2,14 @@
 // tokens, head_dim a multiple of 64, every cache format, and on AVX512-VNNI hosts with VBMI an int8 cache in
 // integer arithmetic.
 #if defined(__AVX512F__)
-// Blocks of 16 tokens and head_dim a multiple of 64 in AVX-512, with float32 or bf16 caches: one block's 16
+// Blocks of 16 tokens and head_dim a multiple of 64 in AVX-512, over every cache format: one block's 16
 // scores of a row are one register. Per row and block: each score a dot product over head_dim in four
-// interleaved partial sums ((p0 + p1) + (p2 + p3)), the block max and sum as fixed-order register reductions,
-// e^x by exp512_ps, then acc = acc * correction + sum_t p[t] v[t]. Every row goes through exactly these
-// operations whatever its tile, so batch invariance holds as in the generic path (whose operation order
-// differs: the two paths are never mixed on one machine). bf16 values widen exactly to float32; all arithmetic
-// is float32.
+// interleaved partial sums ((p0 + p1) + (p2 + p3)), the block max as a fixed-order register reduction, e^x by
+// exp512_ps, the denominator's 16 partial sums, then acc = acc * correction + sum_t p[t] v[t]. Every row goes
+// through exactly these operations whatever its tile, so batch invariance holds as in the generic path (whose
+// operation order differs: the two paths are never mixed on one machine). bf16 values widen exactly to
+// float32, 8-bit ones are widened and scaled in registers; all arithmetic is float32, except an int8 cache's on
+// VNNI hosts (below).
 int paged_attention_bf16_available(void) { return 1; }
 
 // 16 consecutive stored values as float32: exact for float32/bf16; an 8-bit value before its scale (e4m3
@@ -40,16 +41,18 @@ static inline __attribute__((always_inline)) __m512 kv_scale16(const uint16_t *s
 // do not depend on the rows beside it, then scaled by its query's and the key's scales.
 #define INT8_SCORES 1
 int paged_attention_int8_scores(void) { return 1; }
+
+// 4 rows of 16 bytes [4][16] -> 16 words of their 4 bytes each, row order (the operand vpdpbusd takes): 4 key
+// dims of 16 tokens -> per token its 4 dims; 4 tokens' 16 values -> per value index its 4 tokens
+static const uint8_t four_rows_to_words[64] = {
+    0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+    6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+    12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
 static inline __attribute__((always_inline)) void block_scores16_int8(float out[][MAX_BLOCK], const QuantRow *rows,
                                                                       int n_rows, const int8_t *kt,
                                                                       const uint16_t *ks, int64_t head_dim,
                                                                       const char *next_k, const char *next_v) {
-    // bytes (d + j, t) of 4 key rows [4][16] -> per token t its 4 values (the word vpdpbusd takes)
-    static const uint8_t interleave[64] = {
-        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
-        6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
-        12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
-    const __m512i index = _mm512_loadu_si512(interleave);
+    const __m512i index = _mm512_loadu_si512(four_rows_to_words);
     const __m512i bias = _mm512_set1_epi8((char)0x80);  // k + 128: vpdpbusd's unsigned operand
     const __m512 key_scales = kv_scale16(ks, KV_INT8);
     for (int r0 = 0; r0 < n_rows; r0 += 8) {
@@ -82,11 +85,7 @@ static inline __attribute__((always_inline)) void accumulate_rows_int8(float acc
                                                                        const float *corr, float w[][MAX_BLOCK],
                                                                        const int rows, const int8_t *vb,
                                                                        int64_t head_dim) {
-    static const uint8_t interleave[64] = {
-        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
-        6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
-        12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
-    const __m512i index = _mm512_loadu_si512(interleave);
+    const __m512i index = _mm512_loadu_si512(four_rows_to_words);
     int32_t w8[8][4];  // each row's 16 weights as bytes, four tokens a word
     float w_scale[8];
     for (int r = 0; r < rows; ++r) {
