@@ -73,14 +73,13 @@ def kv_cache_format(config: EngineConfig, model: ModelConfig) -> KVFormat:
     bf16 caches (half the bytes a decode step reads; top-1 agreement with float32 moved 97.48% -> 97.42% on the
     quality gate), else the model's dtype, so `--quantization none` stays exact. 8-bit formats are explicit
     (docs/BENCHMARKS.md, "KV cache dtypes": what they measure against bf16 here)."""
+    device = torch.device(config.device)
     if config.kv_cache_dtype != "auto":
         fmt = kv_format(config.kv_cache_dtype)
-        device = torch.device(config.device)
         if fmt.scaled and device.type not in ("cpu", "cuda"):
             raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} runs on cpu and cuda, not {device.type}; "
                              f"choices there: float32, bfloat16, float16")
         return fmt
-    device = torch.device(config.device)
     native_bf16 = ((device.type == "cpu" and kernels.bf16_cache_supported(model.head_dim, config.block_size))
                    or triton_ops.attention_kernel_serves(device, model.head_dim, config.block_size))
     return kv_format("bfloat16" if linear_mode(config) != "none" and native_bf16 else config.dtype)

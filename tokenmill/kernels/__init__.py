@@ -217,9 +217,9 @@ def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: to
     assert fns is not None and qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     assert slot_mapping.dtype == torch.int64 and head_dim <= MAX_HEAD_DIM
     q = torch.empty(tokens, num_heads, head_dim)
+    *pointers, kind = cache_pointers(cache)
     fns.rope_and_cache(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-                       sin.data_ptr(), slot_mapping.data_ptr(), cache.k.shape[3], *cache_pointers(cache)[:4],
-                       q.data_ptr(), cache.format.kind)
+                       sin.data_ptr(), slot_mapping.data_ptr(), cache.k.shape[3], *pointers, q.data_ptr(), kind)
     return q
 
 

@@ -78,16 +78,16 @@ __attribute__((constructor)) static void kv_fill_fp8_values(void) {
     }
 }
 
-// n stored values from src[i * stride] as float times scale (an 8-bit format) or as stored (float32, bf16)
-static inline void kv_decode(const void *src, int64_t stride, int64_t n, int64_t kind, float scale, float *out) {
+// n consecutive stored values as float, times scale in an 8-bit format (float32 and bf16 as stored)
+static inline void kv_decode(const void *src, int64_t n, int64_t kind, float scale, float *out) {
     if (kind == KV_F32) {
-        for (int64_t i = 0; i < n; ++i) out[i] = ((const float *)src)[i * stride];
+        for (int64_t i = 0; i < n; ++i) out[i] = ((const float *)src)[i];
     } else if (kind == KV_BF16) {
-        for (int64_t i = 0; i < n; ++i) out[i] = bf16_value(((const uint16_t *)src)[i * stride]);
+        for (int64_t i = 0; i < n; ++i) out[i] = bf16_value(((const uint16_t *)src)[i]);
     } else if (kind == KV_INT8) {
-        for (int64_t i = 0; i < n; ++i) out[i] = (float)((const int8_t *)src)[i * stride] * scale;
+        for (int64_t i = 0; i < n; ++i) out[i] = (float)((const int8_t *)src)[i] * scale;
     } else {
         const float *table = kv_fp8_values[kind == KV_E4M3 ? 0 : 1];
-        for (int64_t i = 0; i < n; ++i) out[i] = table[((const uint8_t *)src)[i * stride]] * scale;
+        for (int64_t i = 0; i < n; ++i) out[i] = table[((const uint8_t *)src)[i]] * scale;
     }
 }

@@ -136,11 +136,11 @@ static void decode_kv_block(const void *src, const uint16_t *scales, int64_t row
     for (int64_t r = 0; r < rows; ++r) {
         const void *row = (const char *)src + r * cols * kv_elem_bytes(kind);
         if (!kv_scaled(kind) || token_is_column) {
-            kv_decode(row, 1, cols, kind, 1.0f, tile + r * cols);
+            kv_decode(row, cols, kind, 1.0f, tile + r * cols);
             if (kv_scaled(kind))
                 for (int64_t c = 0; c < cols; ++c) tile[r * cols + c] *= bf16_value(scales[c]);
         } else {
-            kv_decode(row, 1, cols, kind, bf16_value(scales[r]), tile + r * cols);
+            kv_decode(row, cols, kind, bf16_value(scales[r]), tile + r * cols);
         }
     }
 }
