@@ -196,12 +196,20 @@ def test_fused_layer_ops_match_the_torch_path() -> None:
     q_ref = apply_rope(q_ref.reshape(rows, heads, head_dim), cos[:, None], sin[:, None])
     k_ref = apply_rope(k_ref.reshape(rows, kv_heads, head_dim), cos[:, None], sin[:, None])
     assert torch.equal(q, q_ref)
-    # bf16 caches: rounded to nearest even, as torch converts; 8-bit ones quantized as kv_quant.quantize does
+    # bf16 caches: rounded to nearest even, as torch converts; 8-bit ones quantized as kv_quant.quantize does,
+    # int8 keys over their channel scales (queries times them)
+    channels = torch.exp2(torch.randint(-4, 5, (kv_heads, head_dim // 2)).float()).repeat(1, 2)
     for name in ("float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"):
         cache = allocate_layer_kv(8, block, kv_heads, head_dim, kv_format(name), CPU)
-        kernels.rope_and_cache(qkv, heads, kv_heads, cos, sin, slots, cache)
         expected = allocate_layer_kv(8, block, kv_heads, head_dim, kv_format(name), CPU)
-        kv_quant.write(expected, k_ref, v_ref.reshape(rows, kv_heads, head_dim), slots)
+        assert (cache.key_channel_scale is not None) == (name == "int8")
+        for c in (cache, expected):
+            if c.key_channel_scale is not None:
+                c.key_channel_scale.copy_(channels)
+        q = kernels.rope_and_cache(qkv, heads, kv_heads, cos, sin, slots, cache)
+        q_want, k_want = kv_quant.smooth_keys(q_ref, k_ref, cache)
+        assert torch.equal(q, q_want), name
+        kv_quant.write(expected, k_want, v_ref.reshape(rows, kv_heads, head_dim), slots)
         for got, want in zip(cache.tensors, expected.tensors, strict=True):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 

@@ -149,11 +149,18 @@ def test_8bit_caches_written_and_read_as_the_torch_reference(name: str) -> None:
     seq = np.repeat([0, 1], [25, 15])
     slots = tables[seq, positions // BLOCK] * BLOCK + positions % BLOCK
     cache = allocate_layer_kv(5, BLOCK, kv_heads, head_dim, fmt, torch.device(DEVICE))
+    expected = allocate_layer_kv(5, BLOCK, kv_heads, head_dim, fmt, torch.device(DEVICE))
+    channels = torch.exp2(torch.randint(-4, 5, (kv_heads, head_dim // 2), generator=gen).float()).repeat(1, 2)
+    for c in (cache, expected):  # int8: keys over their channel scales, queries times them
+        if c.key_channel_scale is not None:
+            c.key_channel_scale.copy_(channels.to(DEVICE))
     q = triton_ops.rope_and_cache(qkv, heads, kv_heads, cos, sin, torch.from_numpy(slots).to(DEVICE), cache)
+    q_ref = apply_rope(qkv[:, :heads * head_dim].reshape(tokens, heads, head_dim), cos[:, None], sin[:, None])
     k_ref = apply_rope(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim),
                        cos[:, None], sin[:, None])
+    q_ref, k_ref = kv_quant.smooth_keys(q_ref, k_ref, cache)
+    torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
     v_ref = qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim)
-    expected = allocate_layer_kv(5, BLOCK, kv_heads, head_dim, fmt, torch.device(DEVICE))
     kv_quant.write(expected, k_ref, v_ref, torch.from_numpy(slots).to(DEVICE))
     assert torch.equal(cache.k_scale, expected.k_scale) and torch.equal(cache.v_scale, expected.v_scale)
     for got, want in ((cache.k, expected.k), (cache.v, expected.v)):

@@ -171,7 +171,7 @@ def _layer_fns() -> _LayerFns | None:
     fns = (
         _function("layer_ops", "add_rms_norm", [_PTR, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64]),
         _function("layer_ops", "rope_and_cache", [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
-                                                  _PTR, _PTR, _PTR, _PTR, _PTR, _I64]),
+                                                  _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64]),
         _function("layer_ops", "silu_and_mul", [_PTR, _I64, _I64, _PTR]),
         _function("layer_ops", "gelu_tanh_and_mul", [_PTR, _I64, _I64, _PTR]),
         _function("layer_ops", "rms_norm_heads", [_PTR, _I64, _I64, _I64, _I64, _PTR, _F32]),
@@ -210,8 +210,8 @@ def rms_norm_heads(x: torch.Tensor, heads: int, weight: torch.Tensor, eps: float
 def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                    slot_mapping: torch.Tensor, cache: LayerKV) -> torch.Tensor:
     """RoPE on q and k of the fused projection [T, (heads + 2 kv_heads) * head_dim]; k and v go to their cache
-    slots (quantized as they are written in an 8-bit format); returns q [T, heads, head_dim]. cos, sin:
-    [T, head_dim] rows of this step's positions."""
+    slots (quantized as they are written in an 8-bit format, keys divided by the cache's channel scales); returns
+    q [T, heads, head_dim] (times those scales). cos, sin: [T, head_dim] rows of this step's positions."""
     fns = _layer_fns()
     tokens, head_dim = qkv.shape[0], cos.shape[-1]
     assert fns is not None and qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
@@ -219,7 +219,8 @@ def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: to
     q = torch.empty(tokens, num_heads, head_dim)
     *pointers, kind = cache_pointers(cache)
     fns.rope_and_cache(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-                       sin.data_ptr(), slot_mapping.data_ptr(), cache.k.shape[3], *pointers, q.data_ptr(), kind)
+                       sin.data_ptr(), slot_mapping.data_ptr(), cache.k.shape[3], *pointers,
+                       key_channel_pointer(cache), q.data_ptr(), kind)
     return q
 
 
@@ -489,11 +490,12 @@ class DecoderLayerPointers(ctypes.Structure):
 
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), *((name, LinearPointers) for name in
                 ("qkv", "o", "gate_up", "down")), ("qkv_bias", _PTR), ("k_cache", _PTR), ("v_cache", _PTR),
-                ("k_scale", _PTR), ("v_scale", _PTR), ("q_norm", _PTR), ("k_norm", _PTR), ("attn_out_norm", _PTR),
-                ("mlp_out_norm", _PTR), ("window", _I64), ("local_rope", _I64)]
+                ("k_scale", _PTR), ("v_scale", _PTR), ("k_channel", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
+                ("attn_out_norm", _PTR), ("mlp_out_norm", _PTR), ("window", _I64), ("local_rope", _I64)]
 
     def set_cache(self, cache: LayerKV) -> None:
         self.k_cache, self.v_cache, self.k_scale, self.v_scale, _ = cache_pointers(cache)
+        self.k_channel = key_channel_pointer(cache)
 
 
 @functools.cache
@@ -581,6 +583,7 @@ from tokenmill.kernels.kv_attention import (  # noqa: E402, F401 - re-exported: 
     bf16_cache_supported,
     cache_pointers,
     integer_attention,
+    key_channel_pointer,
     native_attention_available,
     paged_attention,
 )

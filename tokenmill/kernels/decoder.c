@@ -33,6 +33,7 @@ typedef struct {
     const float *qkv_bias;  // [q + 2 kv] or NULL
     void *k_cache, *v_cache;
     uint16_t *k_scale, *v_scale;  // 8-bit caches: a bf16 scale per token and KV head (else NULL)
+    const float *k_channel;  // int8 caches: the keys' channel scales [kv_heads, head_dim] (else NULL)
     const float *q_norm, *k_norm;  // [head_dim] QK-norm weights (Gemma 3, Qwen3), or NULL
     const float *attn_out_norm, *mlp_out_norm;  // [hidden] Gemma's sandwich norms, or NULL
     int64_t window;  // > 0: a sliding-window layer (keys a query sees, itself included)
@@ -91,7 +92,7 @@ void decoder_forward(const DecoderLayer *layers, int64_t num_layers, int64_t tok
         }
         rope_and_cache(qkv, qkv_width, tokens, heads, kv_heads, head_dim, layer->local_rope ? local_cos : cos,
                        layer->local_rope ? local_sin : sin, slots, block_size, layer->k_cache, layer->v_cache,
-                       layer->k_scale, layer->v_scale, q, kv_kind);
+                       layer->k_scale, layer->v_scale, layer->k_channel, q, kv_kind);
         paged_attention(attn, q, layer->k_cache, layer->v_cache, layer->k_scale, layer->v_scale, query_start,
                         seq_lens, block_tables, num_seqs, max_blocks, heads, kv_heads, head_dim, block_size, q_width,
                         q_width, scale, kv_kind, layer->window);

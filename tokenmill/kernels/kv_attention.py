@@ -28,6 +28,15 @@ def cache_pointers(cache: LayerKV) -> tuple[int, int, int | None, int | None, in
     return cache.k.data_ptr(), cache.v.data_ptr(), cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), kind
 
 
+def key_channel_pointer(cache: LayerKV) -> int | None:
+    """The keys' channel scales of an int8 cache [kv_heads, head_dim] float32 (kernels/layer_ops.c), or None."""
+    scales = cache.key_channel_scale
+    if scales is None:
+        return None
+    assert scales.dtype == torch.float32 and scales.is_contiguous()
+    return scales.data_ptr()
+
+
 def native_attention_available() -> bool:
     return _attention_fn() is not None
 

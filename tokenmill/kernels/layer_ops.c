@@ -66,21 +66,30 @@ static inline uint16_t to_bf16(float x) {
 // cos/sin rows [tokens, head_dim] of each token's position: q with RoPE into q_out [tokens, heads * head_dim];
 // k with RoPE and v written to their cache slots (layouts of model/attention.py: K [blocks, kv_heads, head_dim,
 // block], V [blocks, kv_heads, block, head_dim]) in the cache's format (kv_formats.h): float32, bf16, or 8 bits
-// with each head-vector's scale into k_scale / v_scale [blocks, kv_heads, block].
+// with each head-vector's scale into k_scale / v_scale [blocks, kv_heads, block]. k_channel (int8 caches, else
+// NULL): the keys' channel scales [kv_heads, head_dim], powers of two (model/key_smoothing.py): k is stored
+// divided by them and q comes out multiplied by its KV head's, so q.k is unchanged.
 void rope_and_cache(const float *qkv, int64_t qkv_stride, int64_t tokens, int64_t heads, int64_t kv_heads,
                     int64_t head_dim, const float *cos_table, const float *sin_table,
                     const int64_t *slots, int64_t block_size, void *k_cache, void *v_cache, uint16_t *k_scale,
-                    uint16_t *v_scale, float *q_out, int64_t kv_kind) {
+                    uint16_t *v_scale, const float *k_channel, float *q_out, int64_t kv_kind) {
+    const int64_t group = heads / kv_heads;
 #pragma omp parallel for if (tokens * (heads + 2 * kv_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < tokens; ++t) {
         const float *row = qkv + t * qkv_stride;
         const float *cos_row = cos_table + t * head_dim, *sin_row = sin_table + t * head_dim;
-        for (int64_t h = 0; h < heads; ++h)
-            rope(q_out + (t * heads + h) * head_dim, row + h * head_dim, cos_row, sin_row, head_dim);
+        for (int64_t h = 0; h < heads; ++h) {
+            float *q = q_out + (t * heads + h) * head_dim;
+            rope(q, row + h * head_dim, cos_row, sin_row, head_dim);
+            if (k_channel)
+                for (int64_t d = 0; d < head_dim; ++d) q[d] *= k_channel[h / group * head_dim + d];
+        }
         const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
         float k[512];
         for (int64_t h = 0; h < kv_heads; ++h) {
             rope(k, row + (heads + h) * head_dim, cos_row, sin_row, head_dim);
+            if (k_channel)
+                for (int64_t d = 0; d < head_dim; ++d) k[d] /= k_channel[h * head_dim + d];
             const float *v = row + (heads + kv_heads + h) * head_dim;
             const int64_t k_at = (block * kv_heads + h) * head_dim * block_size + offset;  // then + d * block
             const int64_t v_at = ((block * kv_heads + h) * block_size + offset) * head_dim;

@@ -112,12 +112,14 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit
     def rope_and_cache_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                              q_out_ptr, qmax, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              BLOCK: tl.constexpr, SCALED: tl.constexpr, INTEGER: tl.constexpr):
+                              kc_ptr, q_out_ptr, qmax, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              BLOCK: tl.constexpr, SCALED: tl.constexpr, INTEGER: tl.constexpr,
+                              SMOOTH: tl.constexpr):
         # program (token, head) over heads + 2 kv_heads: q heads rotate into q_out, k heads rotate into the K
         # cache, v heads go to the V cache. SCALED (8-bit caches, model/kv_quant.py): each k and v head-vector
         # divided by its scale, amax / qmax rounded up to bf16, stored in ks_ptr / vs_ptr; INTEGER: int8 values
-        # (rounded to nearest even, clamped), else fp8 (the store converts)
+        # (rounded to nearest even, clamped), else fp8 (the store converts); SMOOTH: kc_ptr [KV_HEADS, HEAD_DIM] are
+        # the keys' channel scales, k divided and q multiplied by them
         token = tl.program_id(0)
         head = tl.program_id(1)
         half = tl.arange(0, HEAD_DIM // 2)
@@ -131,6 +133,16 @@ def _kernels() -> dict[str, Any]:
             s2 = tl.load(sin_ptr + token * HEAD_DIM + HEAD_DIM // 2 + half)
             y1 = x1 * c1 - x2 * s1
             y2 = x2 * c2 + x1 * s2
+            if SMOOTH:
+                kv_head = tl.where(head < HEADS, head // (HEADS // KV_HEADS), head - HEADS)
+                k1 = tl.load(kc_ptr + kv_head * HEAD_DIM + half)
+                k2 = tl.load(kc_ptr + kv_head * HEAD_DIM + HEAD_DIM // 2 + half)
+                if head < HEADS:
+                    y1 = y1 * k1
+                    y2 = y2 * k2
+                else:
+                    y1 = y1 / k1
+                    y2 = y2 / k2
             if head < HEADS:
                 dst = q_out_ptr + (token * HEADS + head) * HEAD_DIM
                 tl.store(dst + half, y1.to(q_out_ptr.dtype.element_ty))
@@ -219,16 +231,18 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, cache: LayerKV, quer
 def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                    slot_mapping: torch.Tensor, cache: LayerKV) -> torch.Tensor:
     """kernels.rope_and_cache's contract: rotate q and k of the fused projection (rotate-half, full width), store
-    k and v at their slots (quantized as they are written in an 8-bit format), return q [T, heads, head_dim]."""
+    k and v at their slots (quantized as they are written in an 8-bit format, k over the channel scales), return
+    q [T, heads, head_dim] (times them)."""
     tokens, head_dim = qkv.shape[0], cos.shape[-1]
     assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     fmt = cache.format
     _kernels()["rope"][(tokens, num_heads + 2 * num_kv_heads)](
         qkv, qkv.stride(0), cos.float().contiguous(), sin.float().contiguous(), slot_mapping, cache.k, cache.v,
-        cache.k_scale if fmt.scaled else cache.k, cache.v_scale if fmt.scaled else cache.v, q, fmt.qmax,
+        cache.k_scale if fmt.scaled else cache.k, cache.v_scale if fmt.scaled else cache.v,
+        cache.k if cache.key_channel_scale is None else cache.key_channel_scale, q, fmt.qmax,
         HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=cache.k.shape[3], SCALED=fmt.scaled,
-        INTEGER=fmt.storage == torch.int8)
+        INTEGER=fmt.storage == torch.int8, SMOOTH=cache.key_channel_scale is not None)
     return q
 
 

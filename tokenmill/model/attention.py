@@ -132,12 +132,13 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
 def allocate_layer_kv(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: KVFormat,
                       device: torch.device) -> LayerKV:
     """One layer's cache in `fmt`: its values, and in an 8-bit format a scale per token and KV head
-    [blocks, kv_heads, block]."""
+    [blocks, kv_heads, block], and in int8 the keys' channel scales (ones until the model binds its own)."""
     k, v = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, fmt.storage, device)
     if not fmt.scaled:
         return LayerKV(k, v)
     shape = (num_blocks, num_kv_heads, block_size)
-    return LayerKV(k, v, _zeros(shape, SCALE_DTYPE, device), _zeros(shape, SCALE_DTYPE, device))
+    channels = torch.ones(num_kv_heads, head_dim, device=device) if fmt.storage == torch.int8 else None
+    return LayerKV(k, v, _zeros(shape, SCALE_DTYPE, device), _zeros(shape, SCALE_DTYPE, device), channels)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -7,6 +7,10 @@ heads' K (and V) vector is divided by `amax / qmax` and rounded to the format (i
 no value exceeds the format's range and the stored scale is exact. 8 bits a value plus 16 a head-vector: 8.25
 bits a value at head_dim 64 (llama.cpp's q8_0: 8.5).
 
+In int8, keys are stored divided by a power of two per KV head and channel, `key_channel_scale`
+(model/key_smoothing.py: outlier channels would otherwise set every token's scale), and queries are multiplied by
+it before attention. fp8 keeps a few bits of every channel's own size (a float format), so it does without.
+
 The native kernels (kernels/layer_ops.c: quantize while writing; paged_attention.c: dequantize in registers)
 and the torch paths here compute the same values: `quantize` is the reference both follow.
 """
@@ -68,12 +72,14 @@ def format_of(cache: torch.Tensor) -> KVFormat:
 @dataclass
 class LayerKV:
     """One layer's paged KV cache: K [blocks, kv_heads, head_dim, block] and V [blocks, kv_heads, block,
-    head_dim] values, and for 8-bit formats their scales [blocks, kv_heads, block] (else None)."""
+    head_dim] values, and for 8-bit formats their scales [blocks, kv_heads, block]; for int8 also the keys' channel
+    scales [kv_heads, head_dim] float32 (the model sets them when it binds the cache). Absent ones are None."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    key_channel_scale: torch.Tensor | None = None
 
     @property
     def format(self) -> KVFormat:
@@ -81,7 +87,8 @@ class LayerKV:
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the layer, each indexed by block first (what a KV transfer moves)."""
+        """Every tensor of the layer indexed by block first (what a KV transfer moves; the channel scales are the
+        model's)."""
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
 
     @property
@@ -112,6 +119,16 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
 def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float32 values * scales (scales broadcast against values: the caller unsqueezes the shared axis)."""
     return values.to(torch.float32) * scales.to(torch.float32)
+
+
+def smooth_keys(q: torch.Tensor, k: torch.Tensor, cache: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q * s, k / s) for q [T, heads, head_dim] and k [T, kv_heads, head_dim] after RoPE, s the cache's key
+    channel scales (unchanged without them): what the native and Triton writes do before storing k."""
+    s = cache.key_channel_scale
+    if s is None:
+        return q, k
+    group = q.shape[1] // k.shape[1]
+    return q * s.repeat_interleave(group, 0).to(q.dtype), k / s.to(k.dtype)
 
 
 def write(cache: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

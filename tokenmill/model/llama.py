@@ -20,6 +20,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.kernels import triton_ops
 from tokenmill.lora.slots import LayerLoRA, LoRAContext, LoRASlots
 from tokenmill.model import kv_quant
+from tokenmill.model.key_smoothing import channel_sizes, key_channel_scales
 from tokenmill.model.attention import AttentionMetadata, gpu_kernels_apply, paged_attention
 from tokenmill.model.gguf_linear import GGUFLinear
 from tokenmill.model.loader import LazyWeights
@@ -79,6 +80,8 @@ class Attention(nn.Module):
         self.scale = config.softmax_scale
         self.window = window  # keys a query sees (itself included) on a sliding-window layer; None: all
         self.kv_cache: kv_quant.LayerKV | None = None  # bound by the model runner
+        # an 8-bit cache's key channel scales (model/key_smoothing.py), set by load_weights
+        self.key_channel_scale = torch.ones(self.num_kv_heads, self.head_dim)
         self.lora: LayerLoRA | None = None  # multi-LoRA: adds the step's adapter deltas (attach_lora)
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
@@ -124,7 +127,7 @@ class Attention(nn.Module):
             k = k.view(tokens, self.num_kv_heads, self.head_dim)
             v = v.view(tokens, self.num_kv_heads, self.head_dim)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = kv_quant.smooth_keys(apply_rope(q, cos, sin), apply_rope(k, cos, sin), cache)
             kv_quant.write(cache, k, v, meta.slot_mapping)
             out = paged_attention(q, k, v, cache, meta, self.scale, self.window)
         out = out.reshape(tokens, self.q_size)
@@ -370,12 +373,37 @@ class LlamaForCausalLM(nn.Module):
         """Give each layer its (K, V) cache; then the one-call decoder stack is set up where it applies."""
         for layer, cache in zip(self.decoder_layers, caches):
             layer.self_attn.kv_cache = cache
+            if cache.key_channel_scale is not None:
+                cache.key_channel_scale.copy_(layer.self_attn.key_channel_scale)
         self._stack = NativeDecoderStack(self) if NativeDecoderStack.supported(self) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _key_channel_scales(self, weights: Mapping[str, torch.Tensor], prefix: str,
+                            layer: DecoderLayer) -> torch.Tensor:
+        """The layer's key channel scales for int8 caches (model/key_smoothing.py), from its query and key
+        projections (read again: a lazy file dequantizes those tensors), in the rotary order the model runs."""
+        config, attn = self.config, layer.self_attn
+        fused = prefix + "self_attn.qkv_proj.weight" in weights
+        order = self.rotary_order[:config.head_dim] if self.rotary_order is not None else None
+        sizes = []
+        for name, heads, rows, norm in (("q", config.num_heads, slice(0, attn.q_size), attn.q_norm),
+                                        ("k", config.num_kv_heads, slice(attn.q_size, attn.q_size + attn.kv_size),
+                                         attn.k_norm)):
+            stem = prefix + ("self_attn.qkv_proj" if fused else f"self_attn.{name}_proj")
+            weight = weights[stem + ".weight"]
+            bias = weights.get(stem + ".bias") if attn.qkv_proj.bias is not None else None
+            if fused:
+                weight, bias = weight[rows], None if bias is None else bias[rows]
+            if order is not None:
+                per_head = torch.cat([h * config.head_dim + order for h in range(heads)])
+                weight, bias = weight[per_head], None if bias is None else bias[per_head]
+            sizes.append(channel_sizes(weight, bias, layer.input_layernorm.weight.detach(),
+                                       None if norm is None else norm.weight.detach(), heads, config.head_dim))
+        return key_channel_scales(sizes[1], sizes[0])
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -448,6 +476,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 load_linear(attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
                             [p + f"self_attn.{n}_proj.bias" for n in "qkv"], self.rotary_order)
+            attn.key_channel_scale = self._key_channel_scales(weights, p, layer)
             load_linear(attn.o_proj, [p + "self_attn.o_proj.weight"])
             if p + "mlp.gate_up_proj.weight" in weights:  # gate rows, then up rows
                 load_linear(mlp.gate_up_proj, [p + "mlp.gate_up_proj.weight"])
