@@ -53,6 +53,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--kv-offload-memory", dest="kv_offload_memory_gb", type=float,
+                   default=defaults.kv_offload_memory_gb, metavar="GB",
+                   help="keep prefix blocks evicted from the KV pool in this much host memory, as the pool stores "
+                        "them (compact with --kv-cache-dtype int8); prompts read them back instead of prefilling")
+    g.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                   help="keep prefix blocks on disk too, across restarts (a namespace per model file and KV "
+                        "settings; checksummed files, atomic writes)")
+    g.add_argument("--kv-cache-dir-size", dest="kv_cache_dir_size_gb", type=float,
+                   default=defaults.kv_cache_dir_size_gb, metavar="GB",
+                   help="the disk tier's size; least recently used blocks go first")
     g.add_argument("--policy", default=defaults.policy, choices=["fcfs", "priority"])
     g.add_argument("--priority-aging-per-s", type=float, default=defaults.priority_aging_per_s)
     g.add_argument("--batching", default=defaults.batching, choices=["continuous", "dynamic", "static"])
@@ -86,7 +96,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         target_itl_ms=args.target_itl_ms, step_cost_profile=args.step_cost_profile,
         max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
+        enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory_gb=args.kv_offload_memory_gb,
+        kv_cache_dir=args.kv_cache_dir, kv_cache_dir_size_gb=args.kv_cache_dir_size_gb, policy=args.policy,
         priority_aging_per_s=args.priority_aging_per_s, batching=args.batching, seed=args.seed,
         max_waiting_requests=args.max_waiting_requests, migration_limit=args.migration_limit,
         speculative_config=args.speculative_config,

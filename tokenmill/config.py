@@ -125,6 +125,12 @@ class EngineConfig:
     max_num_partial_prefills: int = 2
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # KV tiers under the pool (kv_offload/): full prefix blocks evicted from the pool stay in host memory (this
+    # many GB; 0: none) and in a directory that outlives the process (--kv-cache-dir, at most
+    # kv_cache_dir_size_gb), and prompts read them back instead of prefilling them
+    kv_offload_memory_gb: float = 0.0
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size_gb: float = 16.0
     policy: SchedulingPolicy = "fcfs"
     # Priority units gained per second of waiting under the "priority" policy (aging against starvation).
     priority_aging_per_s: float = 1.0
@@ -193,6 +199,12 @@ class EngineConfig:
             raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         if self.enable_lora and self.kv_role is not None:
             raise ValueError("LoRA adapters are not supported with prefill/decode disaggregation")
+        if self.kv_offload_memory_gb < 0:
+            raise ValueError(f"kv_offload_memory_gb must be >= 0, got {self.kv_offload_memory_gb}")
+        positive("kv_cache_dir_size_gb")
+        if (self.kv_offload_memory_gb or self.kv_cache_dir) and not self.enable_prefix_caching:
+            raise ValueError("the KV tiers (kv_offload_memory_gb, kv_cache_dir) keep prefix-cache blocks: they "
+                             "need prefix caching on")
         if self.priority_aging_per_s < 0:
             raise ValueError("priority_aging_per_s must be >= 0")
         from tokenmill.spec_decode.config import SpeculativeConfig

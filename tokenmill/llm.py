@@ -27,6 +27,10 @@ class LLM:
             config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine.from_config(config)
 
+    def close(self) -> None:
+        """Write what the KV tiers should keep across restarts (`kv_cache_dir`) and stop their threads."""
+        self.engine.core.close()
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -7,7 +7,7 @@ it is reused for something else: released prefixes survive until memory is actua
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +35,9 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}
         self.events: list[KVEvent] | None = None  # set to a list to record index changes; the owner drains it
+        # called with the cached blocks `allocate` takes for reuse, [(hash, token ids, block id)], before anything
+        # overwrites their KV: the KV tiers under the pool keep them (kv_offload/)
+        self.on_evict: Callable[[list[tuple[int, tuple[int, ...], int]]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -54,11 +57,16 @@ class BlockPool:
         if count > len(self._free):
             raise MemoryError(f"asked for {count} KV blocks, {len(self._free)} free")
         out = []
+        evicted = []
         for _ in range(count):
             _, block = self._free.popitem(last=False)
+            if self.on_evict is not None and block.block_hash is not None:
+                evicted.append((block.block_hash, block.token_ids, block.block_id))
             self._evict(block)
             block.ref_count = 1
             out.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

@@ -29,6 +29,7 @@ from tokenmill.core.outputs import (
 )
 from tokenmill.core.prompt_order import ShortestPromptFirst, remaining_prompt
 from tokenmill.core.remote_kv import RemoteKVLoads
+from tokenmill.core.tier_loads import TierLoads
 from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from tokenmill.core.spec_counts import SpecDecodeCounts
 from tokenmill.core.token_budget import TokenBudget
@@ -91,6 +92,7 @@ class Scheduler:
         # prompt's KV), and the requests admitted with remote KV (a consumer loads it into their blocks).
         self.finish_hook: Callable[[Request], None] | None = None
         self.remote_kv: RemoteKVLoads | None = None  # a consumer's requests whose KV is arriving
+        self.tier_loads: TierLoads | None = None  # requests whose prefix the KV tiers are reading back
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -311,6 +313,13 @@ class Scheduler:
                     break
                 self.waiting.remove(request)
                 continue
+            if self.tier_loads is not None:  # the prefix goes on in the KV tiers under the pool
+                loading = self.tier_loads.admit(request, hit)
+                if loading is False:
+                    break
+                if loading:
+                    self.waiting.remove(request)
+                    continue
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget:
                 if partial >= self.config.max_num_partial_prefills:
@@ -327,13 +336,19 @@ class Scheduler:
 
     @property
     def loading(self) -> dict[str, tuple[Request, PrefixHit]]:
-        return self.remote_kv.loading if self.remote_kv is not None else {}
+        remote = self.remote_kv.loading if self.remote_kv is not None else {}
+        return remote if self.tier_loads is None else remote | self.tier_loads.loading
 
     def _start_loaded(self) -> None:
-        """Requests whose KV has arrived start running, computing only the last prompt token, which samples the
-        first output token here (as in vLLM's disaggregation: the producer's own token is dropped, so sampling,
-        seeds included, happens where it would colocated). A failed load ends its request with the error."""
-        assert self.remote_kv is not None
+        """Requests whose KV has arrived start running. From the KV tiers: from the first token they lacked.
+        Remote KV: computing only the last prompt token, which samples the first output token here (as in vLLM's
+        disaggregation: the producer's own token is dropped, so sampling, seeds included, happens where it would
+        colocated); a failed load ends its request with the error."""
+        if self.tier_loads is not None:
+            for request, hit in self.tier_loads.finished():
+                self._start_running(request, hit)
+        if self.remote_kv is None:
+            return
         ready, failed = self.remote_kv.finished()
         for request in failed:
             request.status = RequestStatus.FINISHED_ABORTED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -11,8 +12,10 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput, SchedulerOutput, StepRecord
 from tokenmill.core.remote_kv import RemoteKVLoads
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.tier_loads import TierLoads
 from tokenmill.executor.model_runner import Executor
 from tokenmill.kv_transfer.connector import KVBlocks, KVConnector, make_connector
+from tokenmill.kv_offload.store import open_tier_store
 from tokenmill.kv_transfer.loader import BackgroundKVLoader
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.config import SpeculativeConfig
@@ -22,6 +25,8 @@ from tokenmill.structured_output.manager import StructuredOutputManager
 # With nothing runnable but requests whose grammar is compiling or whose KV is arriving, the loop waits this
 # long for one at most.
 IDLE_WAIT_S = 0.05
+
+logger = logging.getLogger(__name__)
 
 
 class ModelStepError(RuntimeError):
@@ -60,6 +65,11 @@ class EngineCore:
             else:
                 self.kv_loader = BackgroundKVLoader(self.connector, executor)
                 self.scheduler.remote_kv = RemoteKVLoads(self.kv, self.kv_loader)
+        # KV tiers under the pool: the blocks it evicts are kept there, prompts read them back
+        self.tiers = open_tier_store(config, executor)
+        if self.tiers is not None:
+            self.kv.pool.on_evict = self._keep_evicted_blocks
+            self.scheduler.tier_loads = TierLoads(self.kv, self.tiers, executor.kv_block_bytes)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -77,8 +87,11 @@ class EngineCore:
         start = time.perf_counter()
         started = self.clock()  # the step's time on the engine's clock (simulated in tokenmill sim)
         plan = self.scheduler.schedule()
-        if plan.is_empty and self.scheduler.loading and self.kv_loader is not None:
-            self.kv_loader.wait(IDLE_WAIT_S)  # only KV transfers in flight: wait for one, do not spin
+        if plan.is_empty and self.scheduler.loading:  # only KV loads in flight: wait for one, do not spin
+            if self.kv_loader is not None:
+                self.kv_loader.wait(IDLE_WAIT_S)
+            elif self.tiers is not None:
+                self.tiers.wait(IDLE_WAIT_S)
         if plan.is_empty:  # do not spin while the grammar worker or an adapter's read needs the CPU
             self.scheduler.grammars.wait_for_one(IDLE_WAIT_S)
             self.scheduler.loras.wait_for_one(IDLE_WAIT_S)
@@ -98,6 +111,9 @@ class EngineCore:
             stats.step_seconds = self.clock() - started
             stats.over_target = token_budget.observe(plan, stats.step_seconds)
             stats.prediction_error = token_budget.predictor.last_error
+        if self.scheduler.tier_loads is not None:
+            prompt_tokens = sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
+            self.scheduler.tier_loads.observe_prefill(prompt_tokens, time.perf_counter() - start)
         if self.proposer is not None:
             self.proposer.observe_step(plan, time.perf_counter() - start, stats)
             self.proposer.propose(self.scheduler.running)
@@ -105,6 +121,29 @@ class EngineCore:
         stats.num_running, stats.num_waiting, stats.kv_usage = self.current_state()
         self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats, plan, start)
         return outputs
+
+    def _keep_evicted_blocks(self, evicted: list[tuple[int, tuple[int, ...], int]]) -> None:
+        """Cached blocks the pool takes for reuse go to the tiers, read before anything overwrites them (the
+        schedule allocates, the step after it writes)."""
+        assert self.tiers is not None
+        keys, token_ids, block_ids = zip(*evicted, strict=True)
+        data = self.executor.read_kv_blocks(list(block_ids))  # type: ignore[attr-defined]
+        self.tiers.save(list(keys), list(token_ids), data)
+
+    def close(self) -> None:
+        """Before the process exits: the prefix blocks still in the pool go to the tiers (so a restart finds
+        them on disk), and the queued disk writes finish."""
+        if self.tiers is None:
+            return
+        if self.tiers.disk is not None:
+            cached = [b for b in self.kv.pool.blocks if b.block_hash is not None]
+            if cached:
+                data = self.executor.read_kv_blocks([b.block_id for b in cached])  # type: ignore[attr-defined]
+                self.tiers.save([b.block_hash for b in cached if b.block_hash is not None],
+                                [b.token_ids for b in cached], data)
+            if not self.tiers.flush():
+                logger.warning("KV disk tier: writes still queued at exit were dropped")
+        self.tiers.close()
 
     def _save_kv(self, request: Request) -> None:
         """Producer: a prompt run for a decode engine is done (its one token sampled): save its KV blocks."""

@@ -46,6 +46,7 @@ class CoreLoop:
             while True:
                 commands = receive(not core.has_unfinished_requests())
                 if commands is None:
+                    core.close()
                     return
                 if commands:
                     self._report([], None, rejected=self._apply(commands))

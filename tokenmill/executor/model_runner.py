@@ -31,6 +31,7 @@ from tokenmill.model.kv_quant import KVFormat, kv_format
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.metadata import resolve_model_path
 from tokenmill.model.quant import resolve_quantization
+from tokenmill.platform import cpu_flags
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.rejection import verify_greedy, verify_random
 from tokenmill.structured_output.bitmask import apply_bitmask
@@ -186,6 +187,18 @@ class ModelRunner:
         if config.rope_scaling.rope_type != "longrope":
             return None
         return config.rope_scaling.length_threshold(config.max_position_embeddings)
+
+    def kv_identity(self) -> dict[str, object]:
+        """What this runner's KV blocks depend on besides their tokens and salts (the disk tier's namespace,
+        kv_offload/identity.py): the linear layers' mode, dtypes, block size and the kernels' instruction set."""
+        isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+        return {"quantization": self.quantization, "dtype": str(self.dtype), "kv_cache_dtype": self.kv_format.name,
+                "block_size": self.block_size, "device": self.device.type, "isa": isa}
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block over all layers, as read_kv_blocks moves them."""
+        return sum(cache.block_bytes for cache in self.kv_caches)
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The KV of these blocks, [blocks, layers, 2 (K, V), elements], for a KV connector to move. An 8-bit
