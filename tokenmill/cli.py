@@ -83,6 +83,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'')
 
 
+def _cache_salt_source(value: str) -> str:
+    from tokenmill.server.cache_salt import check_source
+
+    try:
+        return check_source(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from tokenmill.config import EngineConfig
 
@@ -178,6 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_transport=args.kv_transport, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         responses_store_size=args.responses_store_size, lora_modules=parse_lora_modules(args.lora_modules),
         enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_dir=args.lora_dir,
+        cache_salt_source=args.cache_salt_source,
     )
     return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
                       log_level=args.log_level)
@@ -245,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"))
+    serve.add_argument("--cache-salt-source", type=_cache_salt_source, default="request", metavar="SOURCE",
+                       help="whose cache_salt a request gets (requests with different salts share no KV blocks): "
+                            "request = the client's cache_salt field; api-key = the key it presented; "
+                            "header:NAME = that header's value (a client's own cache_salt is added to the server's)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import enum
 import time
 from dataclasses import dataclass, field
@@ -77,6 +79,8 @@ class Request:
         # folded into the first block's hash: KV that the same tokens produce differently must not be shared
         # (length-dependent rope scaling, ModelConfig.rope_cache_key)
         self.cache_salt = 0
+        # the client's or the server's cache_salt (server/cache_salt.py), folded into cache_salt
+        self.user_cache_salt: str | None = None
         # longrope: once the sequence has grown past the original context, every token rotates for at least this
         # length (its KV is recomputed with the long factors, as transformers' Phi-3 does); 0 before
         self.rope_length = 0
@@ -95,8 +99,12 @@ class Request:
 
     def set_cache_salt(self, rope_key: int) -> None:
         """The prefix-cache salt from what its KV depends on besides its tokens: the rope key
-        (ModelConfig.rope_cache_key) and its adapter."""
-        self.cache_salt = rope_key if self.lora_request is None else hash((rope_key, self.lora_request.cache_salt))
+        (ModelConfig.rope_cache_key) and its adapter; and from whom may share it (`user_cache_salt`)."""
+        salt = rope_key if self.lora_request is None else hash((rope_key, self.lora_request.cache_salt))
+        if self.user_cache_salt is not None:  # a digest: str hashes differ between processes
+            digest = hashlib.blake2b(self.user_cache_salt.encode(), digest_size=8).digest()
+            salt = hash((salt, int.from_bytes(digest, "little")))
+        self.cache_salt = salt
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,7 @@ def resumed_request(progress: Progress) -> Request:
     if progress.prompt_logprobs is not None:  # already sent: the new core need not score the prompt again
         resumed.prompt_logprobs = [entry or {} for entry in progress.prompt_logprobs]
     resumed.cache_salt = original.cache_salt
+    resumed.user_cache_salt = original.user_cache_salt
     resumed.num_preemptions = original.num_preemptions
     resumed.num_recomputed_tokens = original.num_recomputed_tokens
     return resumed

@@ -38,6 +38,7 @@ def prefill_copy(child: Request) -> Request:
                       child.priority, child.prompt)
     prefill.max_total_tokens = child.num_prompt_tokens + 1
     prefill.cache_salt = child.cache_salt
+    prefill.user_cache_salt = child.user_cache_salt
     prefill.kv_transfer_params = {"do_remote_decode": True}
     return prefill
 
@@ -48,6 +49,7 @@ def decode_copy(child: Request, kv_transfer_params: dict[str, Any]) -> Request:
                      child.eos_token_ids, child.times.arrival, child.priority, child.prompt)
     decode.max_total_tokens = child.max_total_tokens
     decode.cache_salt = child.cache_salt
+    decode.user_cache_salt = child.user_cache_salt
     decode.kv_transfer_params = kv_transfer_params
     return decode
 

@@ -37,6 +37,7 @@ from tokenmill.server.lifecycle import GracefulServer, ShuttingDownError
 from tokenmill.server.lora_api import LoRAModule, LoRARegistry, add_lora_routes
 from tokenmill.server.metrics import EngineMetrics
 from tokenmill.server.middleware import RequestGate, ServerState, error_body
+from tokenmill.server.cache_salt import request_salt, salted
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder, StreamBuilder
 from tokenmill.server.responses_api import DEFAULT_STORE_SIZE, ResponseStore, add_responses_routes
@@ -81,6 +82,8 @@ class ServerOptions:
     lora_modules: list[LoRAModule] = field(default_factory=list)
     enable_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     lora_dir: str | None = None  # the only directory run-time loads may read adapters from
+    # whose cache_salt requests get (server/cache_salt.py): "request" (the client's field), "api-key", "header:NAME"
+    cache_salt_source: str = "request"
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -306,8 +309,9 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         # Submit every prompt before awaiting any, closing them all if one is rejected. Engine request ids
         # derive from the response id (so from X-Request-Id), made unique if a client reuses one.
         streams: list[RequestStream] = []
+        salt = request_salt(options.cache_salt_source, http_request, getattr(http_request.state, "cache_salt", None))
         try:
-            for i, prompt in enumerate(prompts):
+            for i, prompt in enumerate(map(lambda p: salted(p, salt), prompts)):
                 request_id = f"{builder.response_id}-{i}"
                 if llm.has_request(request_id):
                     request_id += "-" + uuid.uuid4().hex[:8]
@@ -353,6 +357,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                                   logprobs=body.logprobs, request_id=http_request.state.request_id, echo=body.echo,
                                   drop_generated=body.max_tokens == 0, prompt_logprobs=body.prompt_logprobs)
         builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        http_request.state.cache_salt = body.cache_salt
         return await serve(builder, prompts, params, body.priority, body.stream, http_request, lora)
 
     def encode_chat(conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]],
@@ -389,6 +394,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                                   logprobs=top if body.logprobs else None, request_id=http_request.state.request_id,
                                   tool_mode=tool_mode, reasoning=serving.reasoning)
         builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        http_request.state.cache_salt = body.cache_salt
         return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,
                            http_request, lora)
 

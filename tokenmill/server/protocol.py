@@ -55,6 +55,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     priority: int = 0
+    cache_salt: str | None = None  # vLLM's: requests with different salts share no KV (server/cache_salt.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
