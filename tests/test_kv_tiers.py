@@ -4,6 +4,7 @@ disk, read back instead of recomputed, across restarts; salts; a slow or full di
 from __future__ import annotations
 
 import errno
+import re
 import threading
 import time
 from pathlib import Path
@@ -246,3 +247,35 @@ def test_a_slow_disk_is_not_read_when_recomputing_is_cheaper(tmp_path: Path, exp
     tiers.disk_read_bytes_per_s = 1e3  # 1 KB/s: a block would take minutes
     assert _run(engine, PROMPTS[:1]) == expected[:1]
     assert tiers.stats.hits["disk"] == 0 and loads.skipped_by_cost == 1
+
+
+def test_the_server_salts_by_its_header_counts_tier_hits_and_says_so() -> None:
+    """`--cache-salt-source header:X-Tenant`: one tenant's second request reads its prefix (from the pool or
+    the host tier), another tenant's never, whatever cache_salt it sends; /metrics counts the tier's hits."""
+    import httpx
+    import openai
+
+    from tests.server_utils import live_server
+
+    with live_server("--num-kv-blocks", "40", "--kv-offload-memory", "0.2",
+                     "--cache-salt-source", "header:X-Tenant") as server:
+        def cached(tenant: str, prompt: str, salt: str | None = None) -> int:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
+                                   default_headers={"X-Tenant": tenant})
+            extra = {} if salt is None else {"cache_salt": salt}
+            reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=2, temperature=0,
+                                              extra_body=extra)
+            details = reply.usage.prompt_tokens_details  # type: ignore[union-attr]
+            return (details.cached_tokens or 0) if details is not None else 0
+
+        assert cached("a", PROMPTS[0]) == 0
+        assert cached("a", PROMPTS[0]) > 0
+        assert cached("b", PROMPTS[0]) == 0 and cached("b", PROMPTS[0], salt="x") == 0
+        for prompt in PROMPTS[1:]:  # push tenant a's blocks out of the pool into the host tier
+            cached("c", prompt)
+        assert cached("a", PROMPTS[0]) > 0
+        text = httpx.get(server.url + "/metrics").text
+        hits = re.search(r'^tokenmill:kv_tier_hit_blocks_total\{[^}]*tier="host"[^}]*\} ([0-9.e+]+)$', text, re.M)
+        assert hits is not None and float(hits.group(1)) > 0, text
+        bad = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": ""})
+        assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]

@@ -60,9 +60,10 @@ class BlockPool:
         evicted = []
         for _ in range(count):
             _, block = self._free.popitem(last=False)
-            if self.on_evict is not None and block.block_hash is not None:
+            kept = self.on_evict is not None and block.block_hash is not None
+            if kept:
                 evicted.append((block.block_hash, block.token_ids, block.block_id))
-            self._evict(block)
+            self._evict(block, kept)
             block.ref_count = 1
             out.append(block)
         if evicted and self.on_evict is not None:
@@ -100,11 +101,13 @@ class BlockPool:
         """Drop a block from the cache index (it stays allocated to its owners)."""
         self._evict(block)
 
-    def _evict(self, block: KVBlock) -> None:
+    def _evict(self, block: KVBlock, kept: bool = False) -> None:
+        """Out of the index. `kept`: a KV tier keeps its KV, so the engine still holds the prefix (no "removed"
+        event: a cache-aware router keeps counting it as this engine's)."""
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
-                if self.events is not None:
+                if self.events is not None and not kept:
                     self.events.append(("removed", block.block_hash))
             block.block_hash = None
             block.token_ids = ()

@@ -113,6 +113,8 @@ class SchedulerStats:
     running_loras: list[str] | None = None
     waiting_loras: list[str] | None = None
     max_loras: int = 0
+    # the KV tiers under the pool (kv_offload/store.py: KVTierStore.counters), cumulative; None: no tiers
+    kv_tiers: dict[str, float] | None = None
 
 
 @dataclass

@@ -106,6 +106,8 @@ class EngineCore:
         self.num_steps += 1
         stats = self.scheduler.last_stats
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
+        if self.tiers is not None:
+            stats.kv_tiers = self.tiers.counters()
         token_budget = self.scheduler.token_budget
         if token_budget is not None and plan.scheduled:
             stats.step_seconds = self.clock() - started

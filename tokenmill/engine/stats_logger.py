@@ -29,6 +29,8 @@ class LoggingStatLogger:
         self._over_target = 0  # --target-itl-ms: steps over it since the last line, and the slowest
         self._slowest_over = 0.0
         self._migrations = 0  # requests moved off a dead engine core since the last line
+        self._tiers: dict[int, dict[str, float]] = {}  # per replica: its KV tiers' cumulative counters
+        self._tier_hits_shown = {"host": 0.0, "disk": 0.0}  # their sum at the last line
 
     def on_migration(self, request_id: str, source: int, target: int | None) -> None:
         self._migrations += 1
@@ -49,6 +51,8 @@ class LoggingStatLogger:
         self._queries += s.prefix_queries - last_queries
         self._hits += s.prefix_hits - last_hits
         self._last_prefix[replica] = (s.prefix_queries, s.prefix_hits)
+        if s.kv_tiers is not None:
+            self._tiers[replica] = s.kv_tiers
         self.on_state(s.num_running, s.num_waiting, s.kv_usage, replica)
 
     def on_state(self, running: int, waiting: int, kv_usage: float, replica: int = 0) -> None:
@@ -88,6 +92,11 @@ class LoggingStatLogger:
                          f"{1e3 * self._slowest_over:.0f} ms)")
             if self._migrations:
                 line += f", Migrated requests: {self._migrations}"
+            if self._tiers:
+                hits = {tier: sum(c.get(f"{tier}_hits", 0) for c in self._tiers.values()) for tier in ("host", "disk")}
+                new = {tier: max(0.0, hits[tier] - self._tier_hits_shown[tier]) for tier in hits}
+                line += f", KV tier hits: {new['host']:.0f} host, {new['disk']:.0f} disk blocks"
+                self._tier_hits_shown = hits
             logger.info(line)
         self._was_busy = busy
         self._since = now

@@ -153,6 +153,17 @@ class KVTierStore:
             self.stats.load_seconds += time.perf_counter() - load.started
             finished.append((load.request_id, loaded))
 
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters for /metrics and the stats line: blocks read back and their bytes per tier,
+        loads and their seconds, blocks each tier dropped, bytes written to disk."""
+        stats = self.stats
+        return {"host_hits": stats.hits["host"], "disk_hits": stats.hits["disk"],
+                "host_bytes": stats.bytes_loaded["host"], "disk_bytes": stats.bytes_loaded["disk"],
+                "loads": stats.loads, "load_seconds": stats.load_seconds, "failed_blocks": stats.failed_blocks,
+                "host_evictions": self.host.evictions if self.host is not None else 0,
+                "disk_evictions": self.disk.evictions if self.disk is not None else 0,
+                "disk_written_bytes": stats.bytes_written_disk}
+
     def wait(self, timeout: float) -> None:
         """Block until a load arrives (or `timeout`): a core with nothing else to do must not spin."""
         self._arrived.clear()

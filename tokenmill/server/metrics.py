@@ -56,6 +56,21 @@ class EngineMetrics:
         self.prefix_hits = Counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    per_replica, registry=r)
         self.preemptions = Counter("tokenmill:num_preemptions", "Preemptions", per_replica, registry=r)
+        # the KV tiers under the pool (--kv-offload-memory, --kv-cache-dir)
+        self.tier_hits = Counter("tokenmill:kv_tier_hit_blocks", "Prefix blocks read back from a KV tier",
+                                 per_replica + ["tier"], registry=r)
+        self.tier_bytes = Counter("tokenmill:kv_tier_loaded_bytes", "Bytes read back from a KV tier",
+                                  per_replica + ["tier"], registry=r)
+        self.tier_evictions = Counter("tokenmill:kv_tier_evicted_blocks", "Blocks a KV tier dropped (least "
+                                      "recently used first)", per_replica + ["tier"], registry=r)
+        self.tier_loads = Counter("tokenmill:kv_tier_loads", "Prefix loads from the KV tiers (one per request)",
+                                  per_replica, registry=r)
+        self.tier_load_seconds = Counter("tokenmill:kv_tier_load_seconds", "Time the KV tier loads took, from "
+                                         "admission to the blocks stored (divide by kv_tier_loads)", per_replica,
+                                         registry=r)
+        self.tier_written = Counter("tokenmill:kv_tier_disk_written_bytes", "Bytes written to the disk tier",
+                                    per_replica, registry=r)
+        self._last_tiers: dict[str, dict[str, float]] = {}
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated", labels, registry=r)
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
@@ -158,6 +173,26 @@ class EngineMetrics:
         if s.prefix_hits > last_hits:
             self.prefix_hits.labels(m, r).inc(s.prefix_hits - last_hits)
         self._last_prefix[r] = (s.prefix_queries, s.prefix_hits)
+        if s.kv_tiers is not None:
+            self._on_tiers(r, s.kv_tiers)
+
+    def _on_tiers(self, replica: str, now: dict[str, float]) -> None:
+        """Advance the tier counters by what the replica's cumulative ones grew since its last step."""
+        last = self._last_tiers.get(replica, {})
+        if now.get("loads", 0) < last.get("loads", 0):  # a restarted replica counts from zero again
+            last = {}
+        grew = {name: value - last.get(name, 0) for name, value in now.items()}
+        m = self.model_name
+        for tier in ("host", "disk"):
+            for metric, name in ((self.tier_hits, "hits"), (self.tier_bytes, "bytes"),
+                                 (self.tier_evictions, "evictions")):
+                if grew.get(f"{tier}_{name}", 0) > 0:
+                    metric.labels(m, replica, tier).inc(grew[f"{tier}_{name}"])
+        for metric, name in ((self.tier_loads, "loads"), (self.tier_load_seconds, "load_seconds"),
+                             (self.tier_written, "disk_written_bytes")):
+            if grew.get(name, 0) > 0:
+                metric.labels(m, replica).inc(grew[name])
+        self._last_tiers[replica] = dict(now)
 
     def _set_lora_info(self, replica: str, max_loras: int, running: list[str], waiting: list[str]) -> None:
         labels = (self.model_name, replica, str(max_loras), ",".join(running), ",".join(waiting))
