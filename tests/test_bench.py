@@ -133,3 +133,29 @@ def test_peer_protocol_prefills_every_repeat(llm) -> None:  # noqa: ANN001
     hits_before = llm.engine.core.kv.prefix_hits
     llm.generate(prompts + prompts, SamplingParams(temperature=0, max_tokens=1))
     assert llm.engine.core.kv.prefix_hits > hits_before
+
+
+def test_agent_sessions_grow_histories_in_shuffled_rounds(base_url: str, tokenizer) -> None:  # noqa: ANN001
+    """The workload's shape, and a small run against the live server: later turns resend the whole history
+    (the previous prompt, its answer, the new tokens) and find most of it cached."""
+    from tokenmill.bench import agent_sessions
+
+    system, sessions = agent_sessions.build_sessions(tokenizer, 3, 3, seed=1, append_range=(40, 80),
+                                                     system_tokens=64)
+    again = agent_sessions.build_sessions(tokenizer, 3, 3, seed=1, append_range=(40, 80), system_tokens=64)
+    assert (system, [s.turns for s in sessions]) == (again[0], [s.turns for s in again[1]])
+    assert all(40 <= len(turn) - len(tokenizer.encode(agent_sessions.QUESTION, add_special_tokens=False)) <= 80
+               for s in sessions for turn in s.turns)
+    order = agent_sessions.turn_order(3, 3, seed=1)
+    assert [turn for _, turn in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert all(sorted(s for s, t in order if t == turn) == [0, 1, 2] for turn in range(3))
+    run = agent_sessions.SessionRun(tokenizer, system, sessions)
+    model = agent_sessions.httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
+    results = run.run(agent_sessions.OpenAITurns(base_url, model), order, max_tokens=4)
+    by_key = {(r.session, r.turn): r for r in results}
+    for session in range(3):
+        first, second = by_key[(session, 0)], by_key[(session, 1)]
+        assert second.prompt_tokens > first.prompt_tokens + 40
+        assert second.cached_tokens >= (first.prompt_tokens // 16) * 16 - 16  # its first turn's blocks
+    summary = agent_sessions.summarize_turns(results)
+    assert list(summary["by_turn"]) == ["1", "2", "3"] and summary["by_turn"]["3"]["cached_share"] > 0.5

@@ -206,10 +206,12 @@ def _add_subcommands(parser: argparse.ArgumentParser, dest: str, commands: list[
 
 
 def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
-    from tokenmill.bench import serve_cli, soak, sweep
+    from tokenmill.bench import agent_sessions, serve_cli, soak, sweep
 
     _add_subcommands(bench, "bench_command", [
         ("serve", "load-test an OpenAI-compatible server", serve_cli.add_args, serve_cli.main),
+        ("agent-sessions", "multi-turn agents resending a growing history: TTFT and cache hits by turn",
+         agent_sessions.add_args, agent_sessions.main),
         ("sweep", "run the serving experiments, write docs/BENCHMARKS.md", sweep.add_args, sweep.main),
         ("soak", "drive a server with thousands of mixed requests, check it holds", soak.add_args, soak.main),
     ])

@@ -39,7 +39,7 @@ class WorkItem:
 _SPAN = 8
 
 
-class _TokenSource:
+class TokenSource:
     """Spans of a natural-text token stream, so prompts look like text to a tokenizer yet share no prefix."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -67,7 +67,7 @@ def heavy_tailed(rng: random.Random, low: int, high: int, median: float) -> int:
 def mixed(tokenizer: Tokenizer, num_requests: int, seed: int = 0, prompt_range: tuple[int, int] = (32, 512),
           output_range: tuple[int, int] = (8, 512), output_median: float = 48.0) -> list[WorkItem]:
     rng = random.Random(seed)
-    source = _TokenSource(tokenizer)
+    source = TokenSource(tokenizer)
     return [source.item(rng, rng.randint(*prompt_range), heavy_tailed(rng, *output_range, output_median))
             for _ in range(num_requests)]
 
@@ -76,7 +76,7 @@ def random_lengths(tokenizer: Tokenizer, num_requests: int, input_len: int, outp
                    seed: int = 0) -> list[WorkItem]:
     """vLLM's `random` dataset: every request has the same prompt and output length."""
     rng = random.Random(seed)
-    source = _TokenSource(tokenizer)
+    source = TokenSource(tokenizer)
     return [source.item(rng, input_len, output_len) for _ in range(num_requests)]
 
 
@@ -87,7 +87,7 @@ def shared_prefix(tokenizer: Tokenizer, num_requests: int, seed: int = 0, prefix
     preambles, each request draws one at random (interleaved, and no fixed rotation a round-robin router could
     fall in step with)."""
     rng = random.Random(seed)
-    source = _TokenSource(tokenizer)
+    source = TokenSource(tokenizer)
     preambles = [source.take(rng, prefix_len) for _ in range(num_prefixes)]
 
     def preamble() -> list[int]:
@@ -102,7 +102,7 @@ def long_interference(tokenizer: Tokenizer, seed: int = 0, num_short: int = 4, s
                       long_arrival: float = 4.0) -> list[WorkItem]:
     """Short streams decoding when a very long prompt arrives `long_arrival` seconds later."""
     rng = random.Random(seed)
-    source = _TokenSource(tokenizer)
+    source = TokenSource(tokenizer)
     items = [source.item(rng, short_prompt, short_output, arrival_offset=0.0) for _ in range(num_short)]
     items.append(source.item(rng, long_prompt, long_output, arrival_offset=long_arrival))
     return items

@@ -25,6 +25,8 @@ from tokenmill.structured_output.manager import StructuredOutputManager
 # With nothing runnable but requests whose grammar is compiling or whose KV is arriving, the loop waits this
 # long for one at most.
 IDLE_WAIT_S = 0.05
+# At exit, the disk tier's queued writes get this long (within the 10 s a replica's stop waits for its process).
+CLOSE_FLUSH_S = 8.0
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +145,7 @@ class EngineCore:
                 data = self.executor.read_kv_blocks([b.block_id for b in cached])  # type: ignore[attr-defined]
                 self.tiers.save([b.block_hash for b in cached if b.block_hash is not None],
                                 [b.token_ids for b in cached], data)
-            if not self.tiers.flush():
+            if not self.tiers.flush(CLOSE_FLUSH_S):
                 logger.warning("KV disk tier: writes still queued at exit were dropped")
         self.tiers.close()
 
