@@ -12,6 +12,7 @@ before the next (`--slot-save-path`). Each engine's own answers grow its histori
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -64,12 +65,12 @@ def main() -> None:
     order = turn_order(args.sessions, args.turns, args.seed)
     # the final histories, answers counted at max_tokens: the pool holds a quarter of them
     final = [len(system) + sum(len(t) + args.max_tokens for t in s.turns) for s in sessions]
-    pool_tokens = sum(final) // 4
+    pool_tokens = max(sum(final) // 4, 2 * max(final))  # (and at least two sessions, for small runs)
     pool_blocks = pool_tokens // BLOCK
     base = ["--num-kv-blocks", str(pool_blocks), "--max-model-len", str(max(final) + 256)]
     memory = ["--kv-offload-memory", "4"]
     restart_at = len(order) // 2
-    rows, summaries, answers = [], {}, {}
+    rows, summaries, answers, raw = [], {}, {}, {}
     for config in args.configs:
         run = SessionRun(tokenizer, system, sessions)
         with tempfile.TemporaryDirectory() as directory:
@@ -94,14 +95,16 @@ def main() -> None:
                         "restart": "tokenmill, memory + disk, restarted halfway"}[config]
         summary = summarize_turns(results)
         summaries[config] = summary
+        raw[config] = [r.__dict__ for r in results]
         answers[config] = [r.answer for r in sorted(results, key=lambda r: (r.session, r.turn))]
         by_turn = summary["by_turn"]
         after_restart = ""
-        if config == "restart":  # each session's first turn after the restart
-            firsts = {}
+        if config == "restart":  # each session's first turn after the restart: its resent history from disk
+            firsts: dict[int, TurnResult] = {}
             for r in results[restart_at:]:
                 firsts.setdefault(r.session, r)
-            after_restart = f"{100 * sum(r.cached_tokens for r in firsts.values()) / sum(r.prompt_tokens for r in firsts.values()):.0f}%"
+            resent = sum(r.prompt_tokens - len(sessions[r.session].turns[r.turn]) for r in firsts.values())
+            after_restart = f"{100 * sum(r.cached_tokens for r in firsts.values()) / resent:.0f}%"
         rows.append([name] + [f"{by_turn[t]['ttft_p50']:.2f} / {by_turn[t]['ttft_p90']:.2f}" for t in by_turn]
                     + [f"{100 * statistics.mean(by_turn[t]['cached_share'] for t in by_turn if t != '1'):.0f}%",
                        f"{summary['total_seconds']:.0f}", after_restart])
@@ -117,13 +120,15 @@ def main() -> None:
     notes.append(f"greedy answers equal to tiers off: {', '.join(same) or 'none'}")
     turns = list(summaries[next(iter(summaries))]["by_turn"]) if summaries else []
     table = markdown_table(["engine"] + [f"turn {t} TTFT p50 / p90 (s)" for t in turns]
-                           + ["prompt cached from turn 2", "total (s)", "cached after restart"], rows)
+                           + ["prompt cached from turn 2", "total (s)", "history read back after the restart"], rows)
     body = (f"## Agent sessions (`python benchmarks/bench_agent_sessions.py`)\n\nMachine: {machine_description()}. "
             f"{' '.join(__doc__.split(chr(10) + chr(10))[1].split())} File: {Path(args.model).name}; "
             f"{args.sessions} sessions x {args.turns} turns, answers up to {args.max_tokens} tokens; pool "
             f"{pool_blocks} blocks ({pool_tokens} tokens) against {sum(final)} tokens of final histories.\n\n"
             f"{table}\n\n" + "".join(f"- {n}\n" for n in notes))
     print(body)
+    with open(Path(tempfile.gettempdir()) / "bench_agent_sessions.json", "w") as f:  # every turn, to look into
+        json.dump({"summaries": summaries, "turns": raw}, f)
     if not args.no_write:
         write_section("agent_sessions", body)
 

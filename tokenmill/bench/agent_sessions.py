@@ -89,7 +89,8 @@ class OpenAITurns:
         start = time.perf_counter()
         ttft, cached, text = None, 0, ""
         with self.client.stream("POST", "/v1/completions", json=body) as response:
-            response.raise_for_status()
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()[:300]}")
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -107,7 +108,8 @@ class LlamaSlotTurns:
     the slot before its turn (unless the slot still holds it) and saved after."""
 
     def __init__(self, base_url: str, slots: int, timeout: float = 900.0) -> None:
-        self.client = httpx.Client(base_url=base_url, timeout=timeout)
+        self.base_url = base_url
+        self.timeout = timeout
         self.slots = slots
         self.holder: dict[int, int] = {}  # slot -> session whose state it holds
         self.saved: set[int] = set()
@@ -116,12 +118,12 @@ class LlamaSlotTurns:
         slot = session % self.slots
         start = time.perf_counter()
         if self.holder.get(slot) != session and session in self.saved:
-            self.client.post(f"/slots/{slot}?action=restore", json={"filename": f"session-{session}.bin"}
-                             ).raise_for_status()
+            self._slot_action(slot, "restore", session)
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "stream": True,
                 "cache_prompt": True, "id_slot": slot}
         ttft, cached, text = None, 0, ""
-        with self.client.stream("POST", "/completion", json=body) as response:
+        # a connection each (llama-server closes streamed ones; a reused one fails at random)
+        with httpx.stream("POST", self.base_url + "/completion", json=body, timeout=self.timeout) as response:
             response.raise_for_status()
             for line in response.iter_lines():
                 if not line.startswith("data: "):
@@ -134,11 +136,15 @@ class LlamaSlotTurns:
                     timings = data.get("timings") or {}
                     cached = int(timings.get("cache_n", data.get("tokens_cached", 0)) or 0)
         end = time.perf_counter()
-        self.client.post(f"/slots/{slot}?action=save", json={"filename": f"session-{session}.bin"}
-                         ).raise_for_status()
+        self._slot_action(slot, "save", session)
         self.holder[slot] = session
         self.saved.add(session)
         return ttft or end - start, end - start, cached, text
+
+
+    def _slot_action(self, slot: int, action: str, session: int) -> None:
+        httpx.post(f"{self.base_url}/slots/{slot}?action={action}", json={"filename": f"session-{session}.bin"},
+                   timeout=self.timeout).raise_for_status()
 
 
 @dataclass
