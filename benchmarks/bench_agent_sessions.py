@@ -17,7 +17,6 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import httpx
 

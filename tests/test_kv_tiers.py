@@ -263,7 +263,8 @@ def test_the_server_salts_by_its_header_counts_tier_hits_and_says_so() -> None:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
                                    default_headers={"X-Tenant": tenant})
             extra = {} if salt is None else {"cache_salt": salt}
-            reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=2, temperature=0,
+            model = client.models.list().data[0].id
+            reply = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
                                               extra_body=extra)
             details = reply.usage.prompt_tokens_details  # type: ignore[union-attr]
             return (details.cached_tokens or 0) if details is not None else 0

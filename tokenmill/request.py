@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any

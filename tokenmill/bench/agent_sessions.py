@@ -64,7 +64,7 @@ def build_sessions(tokenizer: Tokenizer, num_sessions: int, num_turns: int, seed
 def turn_order(num_sessions: int, num_turns: int, seed: int) -> list[tuple[int, int]]:
     """(session, turn) in rounds, the sessions shuffled in each."""
     rng = random.Random(seed + 1)
-    order = []
+    order: list[tuple[int, int]] = []
     for turn in range(num_turns):
         sessions = list(range(num_sessions))
         rng.shuffle(sessions)

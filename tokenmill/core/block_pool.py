@@ -57,11 +57,11 @@ class BlockPool:
         if count > len(self._free):
             raise MemoryError(f"asked for {count} KV blocks, {len(self._free)} free")
         out = []
-        evicted = []
+        evicted: list[tuple[int, tuple[int, ...], int]] = []
         for _ in range(count):
             _, block = self._free.popitem(last=False)
             kept = self.on_evict is not None and block.block_hash is not None
-            if kept:
+            if kept and block.block_hash is not None:
                 evicted.append((block.block_hash, block.token_ids, block.block_id))
             self._evict(block, kept)
             block.ref_count = 1

@@ -29,9 +29,9 @@ from tokenmill.core.outputs import (
 )
 from tokenmill.core.prompt_order import ShortestPromptFirst, remaining_prompt
 from tokenmill.core.remote_kv import RemoteKVLoads
-from tokenmill.core.tier_loads import TierLoads
 from tokenmill.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from tokenmill.core.spec_counts import SpecDecodeCounts
+from tokenmill.core.tier_loads import TierLoads
 from tokenmill.core.token_budget import TokenBudget
 from tokenmill.request import Request, RequestStatus
 from tokenmill.structured_output.backend import Grammar

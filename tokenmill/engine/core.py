@@ -14,8 +14,8 @@ from tokenmill.core.remote_kv import RemoteKVLoads
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.tier_loads import TierLoads
 from tokenmill.executor.model_runner import Executor
-from tokenmill.kv_transfer.connector import KVBlocks, KVConnector, make_connector
 from tokenmill.kv_offload.store import open_tier_store
+from tokenmill.kv_transfer.connector import KVBlocks, KVConnector, make_connector
 from tokenmill.kv_transfer.loader import BackgroundKVLoader
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.config import SpeculativeConfig
@@ -71,7 +71,7 @@ class EngineCore:
         self.tiers = open_tier_store(config, executor)
         if self.tiers is not None:
             self.kv.pool.on_evict = self._keep_evicted_blocks
-            self.scheduler.tier_loads = TierLoads(self.kv, self.tiers, executor.kv_block_bytes)
+            self.scheduler.tier_loads = TierLoads(self.kv, self.tiers, executor.kv_block_bytes)  # type: ignore[attr-defined]
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -112,9 +112,9 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit
     def rope_and_cache_kernel(qkv_ptr, qkv_stride, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                              kc_ptr, q_out_ptr, qmax, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              BLOCK: tl.constexpr, SCALED: tl.constexpr, INTEGER: tl.constexpr,
-                              SMOOTH: tl.constexpr):
+                              kc_ptr, q_out_ptr, qmax, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr,
+                              INTEGER: tl.constexpr, SMOOTH: tl.constexpr):
         # program (token, head) over heads + 2 kv_heads: q heads rotate into q_out, k heads rotate into the K
         # cache, v heads go to the V cache. SCALED (8-bit caches, model/kv_quant.py): each k and v head-vector
         # divided by its scale, amax / qmax rounded up to bf16, stored in ks_ptr / vs_ptr; INTEGER: int8 values

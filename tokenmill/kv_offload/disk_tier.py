@@ -17,6 +17,7 @@ loop; `contains` reads only the in-memory index.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -133,10 +134,8 @@ class DiskTier:
 
     @staticmethod
     def _unlink(path: Path) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # another server removed it first
             path.unlink()
-        except FileNotFoundError:  # another server removed it first
-            pass
 
     def put(self, key: int, block: TierBlock) -> bool:
         """Write one block (worker thread); False when the tier does not take it (full disk, or stopped)."""
@@ -186,10 +185,8 @@ class DiskTier:
             self._forget(key)
             self._unlink(path)
             return None
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)  # its last use, for the order after a restart
-        except OSError:
-            pass
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)

@@ -134,7 +134,7 @@ class KVTierStore:
     def poll(self) -> list[tuple[str, int]]:
         """Store the loads that have arrived into their blocks: (request id, leading blocks loaded) each. A
         block that did not read back ends its load there (the request computes the rest)."""
-        finished = []
+        finished: list[tuple[str, int]] = []
         while True:
             try:
                 load = self._done.get_nowait()

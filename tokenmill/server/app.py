@@ -32,12 +32,12 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.platform import in_passing_thread
 from tokenmill.reasoning import reasoning_parser
 from tokenmill.server.anthropic_api import ANTHROPIC_PATH, add_messages_routes, anthropic_error_body
+from tokenmill.server.cache_salt import request_salt, salted
 from tokenmill.server.errors import APIError
 from tokenmill.server.lifecycle import GracefulServer, ShuttingDownError
 from tokenmill.server.lora_api import LoRAModule, LoRARegistry, add_lora_routes
 from tokenmill.server.metrics import EngineMetrics
 from tokenmill.server.middleware import RequestGate, ServerState, error_body
-from tokenmill.server.cache_salt import request_salt, salted
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder, StreamBuilder
 from tokenmill.server.responses_api import DEFAULT_STORE_SIZE, ResponseStore, add_responses_routes
