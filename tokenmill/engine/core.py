@@ -27,6 +27,7 @@ from tokenmill.structured_output.manager import StructuredOutputManager
 IDLE_WAIT_S = 0.05
 # At exit, the disk tier's queued writes get this long (within the 10 s a replica's stop waits for its process).
 CLOSE_FLUSH_S = 8.0
+CLOSE_CHUNK_BLOCKS = 256
 
 logger = logging.getLogger(__name__)
 
@@ -139,14 +140,17 @@ class EngineCore:
         them on disk), and the queued disk writes finish."""
         if self.tiers is None:
             return
+        deadline = time.monotonic() + CLOSE_FLUSH_S
         if self.tiers.disk is not None:
             cached = [b for b in self.kv.pool.blocks if b.block_hash is not None]
-            if cached:
-                data = self.executor.read_kv_blocks([b.block_id for b in cached])  # type: ignore[attr-defined]
-                self.tiers.save([b.block_hash for b in cached if b.block_hash is not None],
-                                [b.token_ids for b in cached], data)
-            if not self.tiers.flush(CLOSE_FLUSH_S):
-                logger.warning("KV disk tier: writes still queued at exit were dropped")
+            for start in range(0, len(cached), CLOSE_CHUNK_BLOCKS):  # a chunk at a time: bounded memory
+                chunk = cached[start:start + CLOSE_CHUNK_BLOCKS]
+                data = self.executor.read_kv_blocks([b.block_id for b in chunk])  # type: ignore[attr-defined]
+                self.tiers.save([b.block_hash for b in chunk if b.block_hash is not None],
+                                [b.token_ids for b in chunk], data, to_host=False)
+                if not self.tiers.flush(max(0.0, deadline - time.monotonic())):
+                    logger.warning("KV disk tier: blocks still to write at exit were dropped")
+                    break
         self.tiers.close()
 
     def _save_kv(self, request: Request) -> None:

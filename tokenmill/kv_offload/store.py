@@ -78,13 +78,14 @@ class KVTierStore:
 
     # ------------------------------------------------------------------ engine thread
 
-    def save(self, keys: list[int], token_ids: list[tuple[int, ...]], data: torch.Tensor) -> None:
-        """Blocks leaving the pool ([n, ...] as read_kv_blocks gives them): into host memory now, to disk in
-        the background."""
+    def save(self, keys: list[int], token_ids: list[tuple[int, ...]], data: torch.Tensor,
+             to_host: bool = True) -> None:
+        """Blocks leaving the pool ([n, ...] as read_kv_blocks gives them): into host memory now (unless
+        `to_host` is False: at exit), to disk in the background."""
         batch = []
         for i, (key, tokens) in enumerate(zip(keys, token_ids, strict=True)):
             block = TierBlock(tokens, data[i].clone())
-            if self.host is not None:
+            if self.host is not None and to_host:
                 self.host.put(key, block)
             if self.disk is not None and self.disk.writable and key not in self.disk:
                 batch.append((key, block))
