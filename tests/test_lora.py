@@ -185,6 +185,24 @@ def test_prefix_cache_is_per_adapter(loaded_model, tokenizer, prompt_ids, refere
     assert kv.prefix_hits - hits >= len(prompt) // 16 * 16 - 16, "the same adapter hits its own prefix"
 
 
+def test_kv_tiers_are_per_adapter(loaded_model, tokenizer, prompt_ids, references,
+                                  lora_requests) -> None:  # noqa: ANN001
+    """A pool that holds one prompt: adapter b's run pushes a's blocks into the host tier, and b reads none of
+    them; a's next run reads its own back and gives peft's tokens."""
+    prompt = prompt_ids[-1]
+    engine = _engine(loaded_model, tokenizer, num_kv_blocks=len(prompt) // 16 + 4, kv_offload_memory_gb=0.2)
+    tiers = engine.core.tiers
+    assert tiers is not None
+    a, b = lora_requests["all-r8"], lora_requests["mlp-r4"]
+    assert _run(engine, [(prompt, a)]) == [references["all-r8"][-1]]
+    assert _run(engine, [(prompt, b)]) == [references["mlp-r4"][-1]]
+    assert tiers.stats.blocks_saved > 0 and tiers.stats.hits["host"] == 0
+    hits = engine.core.kv.prefix_hits
+    assert _run(engine, [(prompt, a)]) == [references["all-r8"][-1]]
+    assert tiers.stats.hits["host"] > 0  # the pool kept a's first blocks, the tier the rest:
+    assert engine.core.kv.prefix_hits - hits >= (len(prompt) - 1) // 16 * 16  # every full block came back
+
+
 def test_blocks_are_not_shared_between_adapters_in_one_batch(loaded_model, tokenizer, prompt_ids,
                                                              lora_requests) -> None:  # noqa: ANN001
     engine = _engine(loaded_model, tokenizer)
