@@ -336,8 +336,11 @@ class Scheduler:
 
     @property
     def loading(self) -> dict[str, tuple[Request, PrefixHit]]:
-        remote = self.remote_kv.loading if self.remote_kv is not None else {}
-        return remote if self.tier_loads is None else remote | self.tier_loads.loading
+        remote = self.remote_kv.loading if self.remote_kv is not None else None
+        tiers = self.tier_loads.loading if self.tier_loads is not None else None
+        if remote is not None and tiers is not None:  # a consumer with tiers: both kinds (a copy)
+            return remote | tiers
+        return remote if remote is not None else tiers if tiers is not None else {}
 
     def _start_loaded(self) -> None:
         """Requests whose KV has arrived start running. From the KV tiers: from the first token they lacked.

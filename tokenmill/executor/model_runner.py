@@ -133,7 +133,7 @@ class ModelRunner:
                     config.quantization, self.kv_format.name, torch.get_num_threads())
         if self.device.type == "cpu":
             logger.info(kernels.prepare())
-        model = LlamaForCausalLM(model_config, self.quantization)
+        model = LlamaForCausalLM(model_config, self.quantization, int8_key_scales=self.kv_format.storage == torch.int8)
         model.load_weights(weights)
         # .to(dtype) would also cast bf16 weight buffers, so only a float32-linear model changes dtype.
         model.to(device=self.device)

@@ -67,14 +67,11 @@ class KVTierStore:
         self._writes: queue.SimpleQueue[list[tuple[int, TierBlock]] | None] = queue.SimpleQueue()
         self._pending_writes = 0
         self._writes_idle = threading.Condition()
-        self._threads = []
         self.disk_read_bytes_per_s = float("inf")
         if disk is not None:
             self.disk_read_bytes_per_s = probe_read_bandwidth(disk.directory)
             for name, target in (("reader", self._read_loop), ("writer", self._write_loop)):
-                thread = threading.Thread(target=target, name=f"tokenmill-kv-disk-{name}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
+                threading.Thread(target=target, name=f"tokenmill-kv-disk-{name}", daemon=True).start()
 
     # ------------------------------------------------------------------ engine thread
 

@@ -80,7 +80,7 @@ class Attention(nn.Module):
         self.scale = config.softmax_scale
         self.window = window  # keys a query sees (itself included) on a sliding-window layer; None: all
         self.kv_cache: kv_quant.LayerKV | None = None  # bound by the model runner
-        # an 8-bit cache's key channel scales (model/key_smoothing.py), set by load_weights
+        # an int8 cache's key channel scales (model/key_smoothing.py), set by load_weights
         self.key_channel_scale = torch.ones(self.num_kv_heads, self.head_dim)
         self.lora: LayerLoRA | None = None  # multi-LoRA: adds the step's adapter deltas (attach_lora)
 
@@ -300,12 +300,14 @@ def _partial_rotary_order(config: ModelConfig) -> torch.Tensor | None:
 
 class LlamaForCausalLM(nn.Module):
     """`quantization` is a resolved mode of `model/quant.py` ("none", "bf16", "int8"); it applies to every
-    projection and to the LM head. A tied LM head doubles as the embedding table (one copy of the weights)."""
+    projection and to the LM head. A tied LM head doubles as the embedding table (one copy of the weights).
+    `int8_key_scales`: it will run over int8 KV caches, so load_weights derives their key channel scales."""
 
-    def __init__(self, config: ModelConfig, quantization: str = "none") -> None:
+    def __init__(self, config: ModelConfig, quantization: str = "none", int8_key_scales: bool = False) -> None:
         super().__init__()
         self.config = config
         self.quantization = quantization
+        self.int8_key_scales = int8_key_scales
         # uninitialized (load_weights fills it, or swaps in the file's own table: StoredEmbedding)
         self.embed_tokens: nn.Module | None = (
             None if config.tie_word_embeddings else
@@ -476,7 +478,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 load_linear(attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
                             [p + f"self_attn.{n}_proj.bias" for n in "qkv"], self.rotary_order)
-            attn.key_channel_scale = self._key_channel_scales(weights, p, layer)
+            if self.int8_key_scales:  # (reads q and k again: not paid by the other cache formats)
+                attn.key_channel_scale = self._key_channel_scales(weights, p, layer)
             load_linear(attn.o_proj, [p + "self_attn.o_proj.weight"])
             if p + "mlp.gate_up_proj.weight" in weights:  # gate rows, then up rows
                 load_linear(mlp.gate_up_proj, [p + "mlp.gate_up_proj.weight"])
