@@ -17,11 +17,13 @@ from tests.conftest import LONG_PARAGRAPH
 from tests.engine_utils import run_engine
 from tokenmill import LLM
 from tokenmill.config import EngineConfig
+from tokenmill.engine.core_loop import CoreLoop
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kv_offload import disk_tier
 from tokenmill.kv_offload.disk_tier import DiskTier
 from tokenmill.kv_offload.host_tier import HostTier, TierBlock
 from tokenmill.kv_offload.identity import kv_namespace
+from tokenmill.router.policy import PrefixAwareRouter
 from tokenmill.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -90,6 +92,41 @@ def test_a_restart_reads_the_prefix_from_disk(tmp_path: Path, expected: list[lis
     other.generate(PROMPTS[:1], GREEDY)
     assert other.engine.core.tiers is not None and other.engine.core.tiers.stats.hits["disk"] == 0
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_cache_aware_router_counts_what_the_tiers_hold(tmp_path: Path) -> None:
+    block_bytes = _engine().core.executor.kv_block_bytes  # type: ignore[attr-defined]
+    engine = _engine(kv_offload_memory_gb=3 * block_bytes / (1 << 30))  # the host tier holds 3 blocks
+    events: list[Any] = []
+    engine.core.kv.pool.events = events
+    _run(engine)
+    _run(engine, PROMPTS[::-1])
+    router = PrefixAwareRouter(1, engine.core.kv.block_size)
+    router.apply_events(0, events)
+    # blocks the pool evicted into the tier still count; those the tier let go do not
+    assert router.replicas[0].cached == set(engine.core.held_prefix_blocks())
+    assert engine.core.tiers is not None and engine.core.tiers.host is not None
+    assert engine.core.tiers.host.evictions > 0 and ("removed", ANY_KEY) in events
+
+    # a restarted engine announces the prefixes it found on disk before its first request
+    llm = LLM(num_kv_blocks=40, kv_cache_dir=str(tmp_path))
+    llm.generate(PROMPTS, GREEDY)
+    llm.close()
+    restarted = LLM(num_kv_blocks=40, kv_cache_dir=str(tmp_path))
+    reports: list[Any] = []
+    loop = CoreLoop(restarted.engine.core, reports.append, kv_events=True)
+    loop.run(lambda block: None)
+    announced = {key for report in reports for kind, key in report.kv_events if kind == "stored"}
+    assert restarted.engine.core.tiers is not None and restarted.engine.core.tiers.disk is not None
+    assert announced == set(restarted.engine.core.tiers.disk.keys()) and len(announced) >= 36
+
+
+class _AnyKey:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, int)
+
+
+ANY_KEY = _AnyKey()
 
 
 def _tier_block(seed: int, tokens: tuple[int, ...] = (1, 2, 3)) -> TierBlock:

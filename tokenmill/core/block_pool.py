@@ -53,6 +53,9 @@ class BlockPool:
             return None
         return block
 
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._cached
+
     def allocate(self, count: int) -> list[KVBlock]:
         if count > len(self._free):
             raise MemoryError(f"asked for {count} KV blocks, {len(self._free)} free")

@@ -111,6 +111,7 @@ class EngineCore:
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         if self.tiers is not None:
             stats.kv_tiers = self.tiers.counters()
+            self._publish_tier_drops()
         token_budget = self.scheduler.token_budget
         if token_budget is not None and plan.scheduled:
             stats.step_seconds = self.clock() - started
@@ -126,6 +127,20 @@ class EngineCore:
         stats.num_running, stats.num_waiting, stats.kv_usage = self.current_state()
         self.last_step = StepRecord(self.num_steps, time.perf_counter() - start, stats, plan, start)
         return outputs
+
+    def _publish_tier_drops(self) -> None:
+        """Blocks gone from every tier (and not back in the pool) leave this engine's prefix cache: a "removed"
+        KV event, so a cache-aware router stops sending their prefixes here."""
+        assert self.tiers is not None
+        pool = self.kv.pool
+        gone = self.tiers.drain_dropped()
+        if pool.events is not None:
+            pool.events.extend(("removed", key) for key in gone if not pool.holds(key))
+
+    def held_prefix_blocks(self) -> list[int]:
+        """The block hashes this engine can serve a prefix from: the pool's and the tiers'."""
+        held = [b.block_hash for b in self.kv.pool.blocks if b.block_hash is not None]
+        return held + (self.tiers.held_keys() if self.tiers is not None else [])
 
     def _keep_evicted_blocks(self, evicted: list[tuple[int, tuple[int, ...], int]]) -> None:
         """Cached blocks the pool takes for reuse go to the tiers, read before anything overwrites them (the

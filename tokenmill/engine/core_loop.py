@@ -36,13 +36,15 @@ class CoreLoop:
         self.send_plans = send_plans  # step records carry their plan (step traces need it)
         self.acked = 0
         self._tracked: dict[str, tuple[Request, int]] = {}  # mirrored requests, token times already sent
-        if kv_events:
-            core.kv.pool.events = []
+        if kv_events:  # a restarted engine's disk tier already holds prefixes: say so first
+            core.kv.pool.events = [("stored", block_hash) for block_hash in core.held_prefix_blocks()]
 
     def run(self, receive: Callable[[bool], list[Command] | None]) -> None:
         core = self.core
         failures_in_a_row = 0
         try:
+            if core.kv.pool.events:  # the prefixes a restart found on disk, before the first request is routed
+                self._report([], None)
             while True:
                 commands = receive(not core.has_unfinished_requests())
                 if commands is None:

@@ -92,6 +92,7 @@ class DiskTier:
         self.used_bytes = 0
         self.evictions = 0
         self.corrupt_removed = 0
+        self.dropped: list[int] = []  # keys evicted or removed since the owner last drained them
         self._lock = threading.Lock()  # the index: written by the workers, read by the step loop
         self._index: OrderedDict[int, int] = OrderedDict()  # key -> file bytes; front: least recently used
         self._scan()
@@ -128,6 +129,15 @@ class DiskTier:
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)
+
+    def keys(self) -> list[int]:
+        with self._lock:
+            return list(self._index)
+
+    def drain_dropped(self) -> list[int]:
+        with self._lock:
+            dropped, self.dropped = self.dropped, []
+        return dropped
 
     def _path(self, key: int) -> Path:
         return self.directory / _file_name(key)
@@ -166,6 +176,7 @@ class DiskTier:
                 self.used_bytes -= size
                 self.evictions += 1
                 victims.append(victim)
+            self.dropped.extend(victims)
         for victim in victims:
             self._unlink(self._path(victim))
         return True
@@ -197,3 +208,4 @@ class DiskTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self.used_bytes -= size
+                self.dropped.append(key)

@@ -31,18 +31,22 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def put(self, key: int, block: TierBlock) -> None:
+    def put(self, key: int, block: TierBlock) -> list[int]:
+        """Keep `block`; returns the keys dropped to make room."""
         if block.nbytes > self.capacity_bytes:
-            return
+            return [key]
         old = self._blocks.pop(key, None)
         if old is not None:
             self.used_bytes -= old.nbytes
+        dropped_keys = []
         while self._blocks and self.used_bytes + block.nbytes > self.capacity_bytes:
-            _, dropped = self._blocks.popitem(last=False)
+            dropped_key, dropped = self._blocks.popitem(last=False)
             self.used_bytes -= dropped.nbytes
             self.evictions += 1
+            dropped_keys.append(dropped_key)
         self._blocks[key] = block
         self.used_bytes += block.nbytes
+        return dropped_keys
 
     def get(self, key: int, token_ids: tuple[int, ...]) -> TierBlock | None:
         block = self._blocks.get(key)

@@ -66,6 +66,7 @@ class KVTierStore:
         self._reads: queue.SimpleQueue[_Load | None] = queue.SimpleQueue()
         self._writes: queue.SimpleQueue[list[tuple[int, TierBlock]] | None] = queue.SimpleQueue()
         self._pending_writes = 0
+        self._host_dropped: list[int] = []  # keys the host tier let go (engine thread)
         self._writes_idle = threading.Condition()
         self.disk_read_bytes_per_s = float("inf")
         if disk is not None:
@@ -83,7 +84,7 @@ class KVTierStore:
         for i, (key, tokens) in enumerate(zip(keys, token_ids, strict=True)):
             block = TierBlock(tokens, data[i].clone())
             if self.host is not None and to_host:
-                self.host.put(key, block)
+                self._host_dropped.extend(self.host.put(key, block))
             if self.disk is not None and self.disk.writable and key not in self.disk:
                 batch.append((key, block))
         self.stats.blocks_saved += len(keys)
@@ -150,6 +151,21 @@ class KVTierStore:
             self.stats.loads += 1
             self.stats.load_seconds += time.perf_counter() - load.started
             finished.append((load.request_id, loaded))
+
+    def held_keys(self) -> list[int]:
+        """Every block the tiers hold (a restarted engine announces its disk's to a cache-aware router)."""
+        keys = list(self.host._blocks) if self.host is not None else []
+        return keys + (self.disk.keys() if self.disk is not None else [])
+
+    def drain_dropped(self) -> list[int]:
+        """Keys no tier holds any more since the last call: a cache-aware router stops counting them. A key
+        the host lets go that went to a writable disk is still held."""
+        host_dropped, self._host_dropped = self._host_dropped, []
+        disk = self.disk
+        gone = [key for key in host_dropped if disk is None or (not disk.writable and key not in disk)]
+        if disk is not None:
+            gone += [key for key in disk.drain_dropped() if self.host is None or key not in self.host]
+        return gone
 
     def counters(self) -> dict[str, float]:
         """Cumulative counters for /metrics and the stats line: blocks read back and their bytes per tier,
