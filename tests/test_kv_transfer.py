@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -248,3 +249,44 @@ def test_prefill_engine_hands_prompts_to_a_decode_engine_with_identical_greedy_o
             if engine.core.connector is not None:
                 engine.core.connector.close()
     assert threading.active_count() < 50
+
+
+def test_a_decode_engine_reads_an_evicted_prefix_from_its_own_kv_tier(llm, loaded_model, tokenizer) -> None:  # noqa: ANN001
+    """The decode engine's pool evicted a session's blocks into its host-memory tier: the session's next prompt
+    reads them back from there and fetches only the rest from the prefill engine; greedy outputs as colocated."""
+    sessions = [f"Session {i}. " + LONG_PARAGRAPH * 10 for i in range(3)]  # ~35 blocks each, a pool of 48
+    prompts = [*sessions, sessions[0] + " And why?"]  # the last one resends the first session's history
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    options: list[dict[str, Any]] = [{}, {"num_kv_blocks": 48, "kv_offload_memory_gb": 0.25}]
+    engines = [LLMEngine.from_loaded(EngineConfig(quantization="none", kv_role=role, kv_transport="shm", **extra),
+                                     loaded_model, tokenizer)
+               for role, extra in zip(("producer", "consumer"), options, strict=True)]
+    replicas: list[Replica] = [ThreadReplica(i, e.core) for i, e in enumerate(engines)]
+    for replica in replicas:
+        replica.launch()
+    transfers: dict[str, int] = {}
+
+    async def run() -> list[str]:
+        front = AsyncLLM(engines[0].processor, engines[0].output_processor, replicas,
+                         make_router("prefix-aware", 2, 16))
+        front.transfer_listeners.append(lambda request_id, nbytes, *_: transfers.__setitem__(request_id, nbytes))
+        await front.start()
+        texts = []
+        for i, prompt in enumerate(prompts):  # one at a time: the first session's blocks leave the pool
+            async for out in front.generate(f"s{i}", prompt, params):
+                text = out.outputs[0].text
+            texts.append(text)
+        await front.shutdown()
+        return texts
+
+    try:
+        assert asyncio.run(run()) == expected
+        consumer = engines[1].core
+        assert consumer.tiers is not None and consumer.tiers.stats.hits["host"] >= 10
+        assert 0 < transfers["s3"] < transfers["s0"] / 4  # the history came from the tier, not the producer
+        assert consumer.kv.num_free_blocks == consumer.kv.num_blocks and not consumer.has_unfinished_requests()
+    finally:
+        for engine in engines:
+            if engine.core.connector is not None:
+                engine.core.connector.close()

@@ -33,9 +33,15 @@ class RemoteKVLoads:
     def admit(self, request: Request, hit: PrefixHit) -> bool:
         """Allocate the request's blocks and start loading the KV of the prompt positions the prefix cache
         lacks. False when it must wait (no room yet: nothing half-transferred)."""
-        remote = request.num_tokens - 1  # positions whose KV comes from the producer
         if self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit, cache=False) is None:
             return False
+        self.fetch_rest(request, hit)
+        return True
+
+    def fetch_rest(self, request: Request, hit: PrefixHit) -> None:
+        """Load what `hit` lacks into the request's blocks, all allocated already (by `admit`, or by a read from
+        this engine's KV tiers that covered part of the prompt)."""
+        remote = request.num_tokens - 1  # positions whose KV comes from the producer
         self.loading[request.request_id] = (request, hit)
         if remote > hit.num_tokens:
             block_size = self.kv.block_size
@@ -44,7 +50,6 @@ class RemoteKVLoads:
             self.loader.start(request, first_block, block_ids)
         else:  # the prefix cache had all of it
             self.loader.skip(request)
-        return True
 
     def finished(self) -> tuple[list[tuple[Request, PrefixHit]], list[Request]]:
         """Loads done since the last call: (requests ready to run, with the last prompt token left to compute;

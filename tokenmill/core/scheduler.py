@@ -308,18 +308,20 @@ class Scheduler:
             if not self.loras.admits(request, self.running):
                 continue  # its adapter would exceed max_loras: the requests behind it go first
             hit = self.kv.find_cached_prefix(request)
-            if request.kv_transfer_params is not None and self.remote_kv is not None:
-                if not self.remote_kv.admit(request, hit):
-                    break
-                self.waiting.remove(request)
-                continue
+            remote = request.kv_transfer_params is not None and self.remote_kv is not None
             if self.tier_loads is not None:  # the prefix goes on in the KV tiers under the pool
-                loading = self.tier_loads.admit(request, hit)
+                loading = self.tier_loads.admit(request, hit, whole_prompt=remote)
                 if loading is False:
                     break
                 if loading:
                     self.waiting.remove(request)
                     continue
+            if remote:
+                assert self.remote_kv is not None
+                if not self.remote_kv.admit(request, hit):
+                    break
+                self.waiting.remove(request)
+                continue
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget:
                 if partial >= self.config.max_num_partial_prefills:
@@ -349,7 +351,10 @@ class Scheduler:
         colocated); a failed load ends its request with the error."""
         if self.tier_loads is not None:
             for request, hit in self.tier_loads.finished():
-                self._start_running(request, hit)
+                if request.kv_transfer_params is not None and self.remote_kv is not None:
+                    self.remote_kv.fetch_rest(request, hit)  # a decode engine's: the producer sends the rest
+                else:
+                    self._start_running(request, hit)
         if self.remote_kv is None:
             return
         ready, failed = self.remote_kv.finished()

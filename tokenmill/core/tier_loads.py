@@ -40,9 +40,10 @@ class TierLoads:
         if tokens >= 64 and seconds > 0:
             self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * seconds / tokens
 
-    def admit(self, request: Request, hit: PrefixHit) -> bool | None:
+    def admit(self, request: Request, hit: PrefixHit, whole_prompt: bool = False) -> bool | None:
         """Start loading the blocks after the pool's hit that the tiers hold. None: nothing worth loading
-        (admit it as usual); False: no room yet (it waits); True: loading."""
+        (admit it as usual); False: no room yet (it waits); True: loading. `whole_prompt`: blocks for the whole
+        prompt are taken now (a decode engine's request, whose remaining KV a transfer fills next)."""
         if request.needs_prompt_logprobs:  # a loaded block has no logits (as for pool hits)
             return None
         block_size = self.kv.block_size
@@ -57,7 +58,8 @@ class TierLoads:
         if self.tiers.load_seconds(keys, self.block_bytes) >= count * block_size * self.prefill_s_per_token:
             self.skipped_by_cost += 1
             return None
-        if self.kv.allocate_slots(request, count * block_size, hit, cache=False) is None:
+        room = request.num_tokens - hit.num_tokens if whole_prompt else count * block_size
+        if self.kv.allocate_slots(request, room, hit, cache=False) is None:
             return False
         block_ids = self.kv.block_table(request.request_id)[first:first + count]
         self.loading[request.request_id] = (request, hit)
