@@ -81,6 +81,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="adapters kept in host memory (default: --max-loras)")
     g.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}\'')
+    g.add_argument("--task", choices=["auto", "generate", "embed"], default=defaults.task,
+                   help="generate, or embed (/v1/embeddings, /rerank, /score on an encoder: BERT, nomic-bert); "
+                        "auto: what the model file is")
+    g.add_argument("--runner", choices=["auto", "generate", "pooling"], default=None,
+                   help="vLLM's name for --task: pooling = embed")
+    g.add_argument("--pooler-config", type=_json_object, default=None,
+                   help='task embed: \'{"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": true}\' (default: '
+                        "what the model file says)")
+    g.add_argument("--hf-overrides", type=_json_object, default=None,
+                   help='task embed: \'{"matryoshka_dimensions": [768, 512, 256, 128, 64]}\' allows truncated '
+                        "embeddings (the dimensions field) for a model trained for them whose file does not say so")
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("give a JSON object")
+    return parsed
 
 
 def _cache_salt_source(value: str) -> str:
@@ -112,6 +133,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_config=args.speculative_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype,
+        task={"pooling": "embed", "generate": "generate", "auto": "auto", None: args.task}[args.runner],
+        pooler_config=args.pooler_config, hf_overrides=args.hf_overrides,
     )
 
 
@@ -189,8 +212,16 @@ def _serve(args: argparse.Namespace) -> int:
         enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_dir=args.lora_dir,
         cache_salt_source=args.cache_salt_source,
     )
-    return run_server(engine_config_from_args(args), host=args.host, port=args.port, options=options,
-                      log_level=args.log_level)
+    from tokenmill.encoder.config import resolve_task
+    from tokenmill.model.metadata import resolve_model_path
+
+    config = engine_config_from_args(args)
+    if resolve_task(resolve_model_path(config.model), config.task) == "embed":
+        from tokenmill.server.embedding_app import run_embedding_server
+
+        return run_embedding_server(config, host=args.host, port=args.port, options=options,
+                                    log_level=args.log_level)
+    return run_server(config, host=args.host, port=args.port, options=options, log_level=args.log_level)
 
 
 Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]

@@ -81,6 +81,7 @@ class ModelConfig:
 # ModelConfig.rope_cache_key of a longrope sequence past the original context (its KV rotated with the long
 # factors); the scheduler salts a sequence that crosses it while generating the same way
 LONG_ROPE_CACHE_KEY = 1
+TASKS = ("auto", "generate", "embed")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_LORA_RANK = 256  # kernels/lora.c keeps a tile's rank-sized intermediates on the stack
@@ -156,6 +157,15 @@ class EngineConfig:
     # the adapters' weights in the resident slots (vLLM's --lora-dtype): "auto" = bfloat16 under quantized linears,
     # else the model's dtype
     lora_dtype: str = "auto"
+    # What the model serves (vLLM's --task / --runner): "generate", or "embed" (embeddings, rerank and scores:
+    # an encoder file such as BERT or nomic-bert, tokenmill/encoder/). "auto": what the model file is.
+    task: str = "auto"
+    # vLLM's --pooler-config for task "embed": {"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": bool};
+    # unset keys come from the model (GGUF pooling type, sentence-transformers' files)
+    pooler_config: dict[str, Any] | None = None
+    # vLLM's --hf-overrides, for task "embed": {"matryoshka_dimensions": [...]} or {"is_matryoshka": true}
+    # declares truncated embeddings (`dimensions`) a model was trained for where its file does not say
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -199,6 +209,8 @@ class EngineConfig:
             raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         if self.enable_lora and self.kv_role is not None:
             raise ValueError("LoRA adapters are not supported with prefill/decode disaggregation")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.kv_offload_memory_gb < 0:
             raise ValueError(f"kv_offload_memory_gb must be >= 0, got {self.kv_offload_memory_gb}")
         positive("kv_cache_dir_size_gb")

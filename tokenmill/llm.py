@@ -8,16 +8,27 @@ from dataclasses import fields
 from typing import Any, cast
 
 from tokenmill.config import EngineConfig
+from tokenmill.encoder.config import resolve_task
+from tokenmill.encoder.engine import EmbeddingEngine, truncate_dimensions
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.lora.request import LoRARequest
+from tokenmill.model.metadata import resolve_model_path
 from tokenmill.model.tokenizer import Tokenizer
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from tokenmill.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
 
 
 class LLM:
+    """`LLM(model)` generates; `LLM(model, task="embed")` (an encoder file: also "auto") embeds and scores."""
+
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **engine_args: Any) -> None:
         if config is None:
             known = {f.name for f in fields(EngineConfig)}
@@ -25,11 +36,52 @@ class LLM:
             if unknown:
                 raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
             config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine.from_config(config)
+        self.task = resolve_task(resolve_model_path(config.model), config.task)
+        self.embedder: EmbeddingEngine | None = None
+        if self.task == "embed":
+            self.embedder = EmbeddingEngine(config)
+        else:
+            self._engine = LLMEngine.from_config(config)
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self.embedder is not None:
+            raise ValueError("this LLM embeds (task='embed'): use embed() and score(), not generation")
+        return self._engine
 
     def close(self) -> None:
         """Write what the KV tiers should keep across restarts (`kv_cache_dir`) and stop their threads."""
+        if self.embedder is not None:
+            self.embedder.shutdown()
+            return
         self.engine.core.close()
+
+    def embed(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+              truncate_prompt_tokens: int | None = None, dimensions: int | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text, or token ids taken as they are), pooled as the model says."""
+        embedder = self._embedder()
+        texts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
+        inputs = [embedder.make_input(t, truncate_prompt_tokens=truncate_prompt_tokens)  # type: ignore[arg-type]
+                  for t in texts]
+        vectors = truncate_dimensions(embedder.submit(inputs).result(), dimensions, embedder.config,
+                                      embedder.normalize)
+        return [EmbeddingRequestOutput(f"embd-{i}", inputs[i].token_ids, EmbeddingOutput(vector.tolist()))
+                for i, vector in enumerate(vectors)]
+
+    def score(self, text_1: str, text_2: str | Sequence[str], truncate_prompt_tokens: int | None = None
+              ) -> list[ScoringRequestOutput]:
+        """How relevant each of `text_2` is to `text_1` (vLLM's LLM.score): a cross-encoder's score, else the
+        cosine similarity of the embeddings."""
+        documents = [text_2] if isinstance(text_2, str) else list(text_2)
+        scores = self._embedder().score(text_1, documents, truncate_prompt_tokens)
+        return [ScoringRequestOutput(f"score-{i}", ScoringOutput(s)) for i, s in enumerate(scores)]
+
+    def _embedder(self) -> EmbeddingEngine:
+        if self.embedder is None:
+            raise ValueError("this LLM generates: embeddings and scores need LLM(model, task='embed') on an "
+                             "embedding model")
+        return self.embedder
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -47,3 +47,30 @@ class RequestOutput:
     # the top-N), the first None; set once the prompt is computed
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: list[RequestMetrics] = field(default_factory=list)  # one per completion (n > 1)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's EmbeddingRequestOutput: `outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    finished: bool = True

@@ -30,7 +30,8 @@ from tokenmill.model.metadata import bundled_model_path, gguf_field, read_metada
 from tokenmill.model.stored_embedding import StoredEmbedding
 from tokenmill.platform import release_freed_heap
 
-__all__ = ["LazyWeights", "LoadedModel", "bundled_model_path", "gguf_field", "load_model", "resolve_model_path"]
+__all__ = ["LazyWeights", "LoadedModel", "bundled_model_path", "dequantize_tensor", "gguf_field", "load_model",
+           "resolve_model_path"]
 
 _DEQUANT_ROWS = 4096
 
@@ -124,7 +125,7 @@ def _natively_decodable(tensor: GGUFTensor) -> bool:
     return kernels.gguf_decodable(int(tensor.tensor_type), _shape(tensor)[-1])
 
 
-def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
+def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
     shape = _shape(tensor)
     if _natively_decodable(tensor):
         return kernels.gguf_dequantize(tensor.data, int(tensor.tensor_type), math.prod(shape[:-1]),
@@ -152,7 +153,7 @@ def _load_gguf(reader: GGUFFile, config: ModelConfig, family: Family) -> LazyWei
 
     def reader_of(tensor: GGUFTensor, name: str) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
-            value = _dequantize(tensor)
+            value = dequantize_tensor(tensor)
             if name not in stored:  # an embedding table is read on
                 reader.release(tensor)
             return rows_in_hf_order(value, name)

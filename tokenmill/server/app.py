@@ -42,6 +42,7 @@ from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder, StreamBuilder
 from tokenmill.server.responses_api import DEFAULT_STORE_SIZE, ResponseStore, add_responses_routes
 from tokenmill.server.serving import Serving, params_or_400, tool_constraint
+from tokenmill.server.task_routes import refuse_embeddings
 from tokenmill.server.tokenizer_api import add_tokenizer_routes
 from tokenmill.server.tools import prepare_conversation
 
@@ -104,7 +105,7 @@ def error_response(status: int, message: str, err_type: str = "invalid_request_e
     return JSONResponse(error_body(status, message, err_type, param), status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -233,7 +234,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_for(request, 400, message, param=param)
 
     @app.exception_handler(APIError)
@@ -373,6 +374,7 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                       options.enable_auto_tool_choice and options.tool_call_parser is not None, check_api_key,
                       check_model, reasoning_parser(llm.config.reasoning_parser))
     add_tokenizer_routes(app, serving, options.enable_tokenizer_info_endpoint)
+    refuse_embeddings(app, model_name, [Depends(check_api_key)])
     if loras is not None and options.enable_runtime_lora_updating:
         add_lora_routes(app, loras, check_api_key)
     add_messages_routes(app, serving)
