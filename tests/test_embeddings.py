@@ -1,0 +1,332 @@
+"""Embeddings, reranking and scores (tokenmill/encoder/, server/embeddings_api.py): tiny random BERT, nomic-bert
+and cross-encoder models against transformers float32, a GGUF written as llama.cpp's converter writes BERT,
+the real nomic-embed-text-v1.5 file against transformers on its weights and on a small retrieval set, and the
+HTTP API through the official openai client."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.real_models import NOMIC_EMBED_V15, fetch
+from tokenmill import LLM
+from tokenmill.config import EngineConfig
+from tokenmill.encoder.engine import EmbeddingEngine
+
+WORDS = ["the", "cat", "dog", "sat", "on", "mat", "run", "fast", "slow", "blue", "red", "house", "tree"]
+VOCAB = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(97, 123)]
+         + ["##" + chr(c) for c in range(97, 123)] + WORDS + ["##ing", ".", ",", "?"])
+TEXTS = ["the cat sat on the mat", "dogs", "the dog sat on the cats mat, and the cat sat.",
+         "running fast? the red house", "a " * 40 + "tree"]
+
+
+def _tiny(kind: str, directory: Path) -> tuple[Any, Any]:
+    """A random tiny model of `kind` (bert, nomic, cross) saved with its tokenizer into `directory`."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertModel,
+        BertTokenizerFast,
+        NomicBertConfig,
+        NomicBertModel,
+    )
+
+    torch.manual_seed({"bert": 0, "nomic": 1, "cross": 2}[kind])
+    shape = {"vocab_size": len(VOCAB), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 96, "max_position_embeddings": 128}
+    if kind == "nomic":
+        model = NomicBertModel(NomicBertConfig(**shape))
+    elif kind == "cross":
+        model = BertForSequenceClassification(BertConfig(**shape, num_labels=1))
+    else:
+        model = BertModel(BertConfig(**shape))
+    with torch.no_grad():  # LayerNorm weights away from their init values, so a swapped one shows
+        for name, parameter in model.named_parameters():
+            if "LayerNorm" in name or "layernorm" in name or "norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.txt").write_text("\n".join(VOCAB))
+    tokenizer = BertTokenizerFast(vocab={token: i for i, token in enumerate(VOCAB)})
+    assert tokenizer("the cats")["input_ids"] == [2, VOCAB.index("the"), VOCAB.index("cat"), VOCAB.index("##s"), 3]
+    model.eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any, Any]]:
+    root = tmp_path_factory.mktemp("encoders")
+    return {kind: (root / kind, *_tiny(kind, root / kind)) for kind in ("bert", "nomic", "cross")}
+
+
+def _reference(model: Any, tokenizer: Any, text: str, pooling: str) -> torch.Tensor:
+    encoded = tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**encoded).last_hidden_state[0]
+    return hidden[0] if pooling == "cls" else hidden.mean(0)
+
+
+@pytest.mark.parametrize("kind", ["bert", "nomic"])
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_tiny_encoders_match_transformers_alone_and_batched(tiny: dict[str, Any], kind: str, pooling: str) -> None:
+    path, model, tokenizer = tiny[kind]
+    engine = EmbeddingEngine(EngineConfig(model=str(path), quantization="none",
+                                          pooler_config={"pooling_type": pooling.upper(), "normalize": False}))
+    try:
+        batched = engine.embed(TEXTS)
+        for text, row in zip(TEXTS, batched, strict=True):
+            alone = engine.embed([text])[0]
+            expected = _reference(model, tokenizer, text, pooling)
+            for ours in (alone, row):
+                assert F.cosine_similarity(ours, expected, dim=0) >= 0.99999
+                assert torch.allclose(ours, expected, atol=1e-4)
+    finally:
+        engine.shutdown()
+
+
+def test_a_cross_encoder_scores_pairs_as_transformers(tiny: dict[str, Any]) -> None:
+    path, model, tokenizer = tiny["cross"]
+    llm = LLM(str(path), task="embed", quantization="none")
+    query, documents = "the cat", ["the cat sat on the mat", "a blue tree", "dogs run fast"]
+    scores = [o.outputs.score for o in llm.score(query, documents)]
+    with torch.no_grad():
+        logits = model(**tokenizer([query] * 3, documents, return_tensors="pt", padding=True)).logits[:, 0]
+    assert np.allclose(scores, torch.sigmoid(logits).tolist(), atol=1e-5)
+    with pytest.raises(ValueError, match="not an embedding model"):
+        LLM(task="embed")  # the bundled decoder is no encoder
+    with pytest.raises(ValueError, match="task embed"):
+        LLM(str(path), task="generate")
+    llm.close()
+
+
+def _write_bert_gguf(path: Path, directory: Path, model: Any) -> None:
+    """The tiny BERT as llama.cpp's converter writes one: phantom-space vocabulary ("##x" -> "x", "x" -> "▁x",
+    specials as they are), its tensor names, mean pooling."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "bert")
+    config = model.config
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType.MEAN)
+    tokens = [t if t.startswith("[") else t[2:] if t.startswith("##") else "\u2581" + t for t in VOCAB]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("[") else 1 for t in VOCAB])
+    writer.add_token_type_count(2)
+    for key, token in (("unk", "[UNK]"), ("bos", "[CLS]"), ("sep", "[SEP]"), ("pad", "[PAD]")):
+        getattr(writer, f"add_{key}_token_id")(VOCAB.index(token))
+    names = {"embeddings.word_embeddings.weight": "token_embd.weight",
+             "embeddings.position_embeddings.weight": "position_embd.weight",
+             "embeddings.token_type_embeddings.weight": "token_types.weight",
+             "embeddings.LayerNorm.weight": "token_embd_norm.weight",
+             "embeddings.LayerNorm.bias": "token_embd_norm.bias"}
+    layer_names = {"attention.self.query": "attn_q", "attention.self.key": "attn_k",
+                   "attention.self.value": "attn_v", "attention.output.dense": "attn_output",
+                   "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",
+                   "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("encoder.layer."):
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{layer_names[module]}.{kind}"
+        elif name in names:
+            gguf_name = names[name]
+        else:
+            continue  # the next-sentence pooler
+        array = tensor.numpy().astype(np.float16 if tensor.dim() == 2 and "embd" not in gguf_name else np.float32)
+        writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_bert_gguf_reads_as_its_hf_directory(tiny: dict[str, Any], tmp_path: Path) -> None:
+    """llama.cpp's BERT layout: the vocabulary's phantom spaces undone tokenize as the original WordPiece, and
+    the f16 weights give the HF model's embeddings (to f16's precision)."""
+    directory, model, tokenizer = tiny["bert"]
+    gguf_path = tmp_path / "tiny-bert.gguf"
+    _write_bert_gguf(gguf_path, directory, model)
+    engine = EmbeddingEngine(EngineConfig(model=str(gguf_path), quantization="none"))
+    try:
+        assert engine.pooling == "mean" and engine.normalize
+        for text in [*TEXTS, "The CAT, running?", "unknownword zzz", "cats and dogs"]:
+            assert engine.make_input(text).token_ids == tokenizer(text)["input_ids"]
+        vectors = engine.embed(TEXTS)
+        for text, ours in zip(TEXTS, vectors, strict=True):
+            expected = F.normalize(_reference(model, tokenizer, text, "mean"), dim=0)
+            assert F.cosine_similarity(ours, expected, dim=0) >= 0.9999
+    finally:
+        engine.shutdown()
+
+
+# ---------------------------------------------------------------- the real nomic-embed-text-v1.5 file
+
+
+@pytest.fixture(scope="module")
+def nomic() -> Path:
+    return fetch(NOMIC_EMBED_V15)
+
+
+def _transformers_nomic(path: Path) -> Any:
+    """transformers' NomicBertModel on the GGUF's tensors (read with the gguf package, named by hand)."""
+    from gguf import GGUFReader
+    from transformers import NomicBertConfig, NomicBertModel
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: torch.from_numpy(np.array(t.data, dtype=np.float32)) for t in reader.tensors}
+    layers = 1 + max(int(name.split(".")[1]) for name in tensors if name.startswith("blk."))
+    config = NomicBertConfig(vocab_size=tensors["token_embd.weight"].shape[0], hidden_size=768,
+                             num_hidden_layers=layers, num_attention_heads=12, intermediate_size=3072,
+                             max_position_embeddings=2048, layer_norm_eps=1e-12,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    state = {"embeddings.word_embeddings.weight": tensors["token_embd.weight"],
+             "embeddings.token_type_embeddings.weight": tensors["token_types.weight"],
+             "embeddings.LayerNorm.weight": tensors["token_embd_norm.weight"],
+             "embeddings.LayerNorm.bias": tensors["token_embd_norm.bias"]}
+    for i in range(layers):
+        q, k, v = tensors[f"blk.{i}.attn_qkv.weight"].chunk(3)
+        prefix = f"layers.{i}."
+        state |= {prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
+                  prefix + "self_attn.v_proj.weight": v,
+                  prefix + "self_attn.o_proj.weight": tensors[f"blk.{i}.attn_output.weight"],
+                  prefix + "mlp.up_proj.weight": tensors[f"blk.{i}.ffn_up.weight"],
+                  prefix + "mlp.gate_proj.weight": tensors[f"blk.{i}.ffn_gate.weight"],
+                  prefix + "mlp.down_proj.weight": tensors[f"blk.{i}.ffn_down.weight"]}
+        for ours, theirs in (("attn_output_norm", "post_attention_layernorm"), ("layer_output_norm",
+                                                                                "post_mlp_layernorm")):
+            state[prefix + theirs + ".weight"] = tensors[f"blk.{i}.{ours}.weight"]
+            state[prefix + theirs + ".bias"] = tensors[f"blk.{i}.{ours}.bias"]
+    model = NomicBertModel(config).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("position_ids" in m or "token_type_ids" in m for m in missing), missing
+    return model
+
+
+NOMIC_TEXTS = ["search_query: What is TSNE?",
+               "search_document: t-SNE is a statistical method for visualizing high-dimensional data.",
+               "search_document: Le café était délicieux, n'est-ce pas?",
+               "search_query: " + "The quick brown fox jumps over the lazy dog. " * 30]
+
+
+def test_nomic_embed_matches_transformers_on_its_weights(nomic: Path) -> None:
+    """float32: transformers' forward on the same tensors, mean-pooled (the file's pooling) and normalised; the
+    default linears (bf16 where the CPU has it) within cosine 0.9999 of it."""
+    reference_model = _transformers_nomic(nomic)
+    exact = LLM(str(nomic), quantization="none")
+    default = LLM(str(nomic))
+    inputs = [exact._embedder().make_input(t) for t in NOMIC_TEXTS]
+    with torch.no_grad():
+        expected = torch.stack([
+            F.normalize(reference_model(input_ids=torch.tensor([i.token_ids])).last_hidden_state[0].mean(0), dim=0)
+            for i in inputs])
+    for llm, threshold in ((exact, 0.999999), (default, 0.9999)):
+        vectors = torch.tensor([o.outputs.embedding for o in llm.embed(NOMIC_TEXTS)])
+        similarity = F.cosine_similarity(vectors, expected)
+        assert similarity.min() >= threshold, similarity
+    # matryoshka: the file does not say, the operator does (vLLM's --hf-overrides)
+    with pytest.raises(ValueError, match="matryoshka"):
+        exact.embed(NOMIC_TEXTS[:1], dimensions=256)
+    exact.close()
+    default.close()
+    truncating = LLM(str(nomic), quantization="none", hf_overrides={"matryoshka_dimensions": [768, 512, 256]})
+    [short] = truncating.embed(NOMIC_TEXTS[:1], dimensions=256)
+    assert len(short.outputs.embedding) == 256
+    assert np.allclose(short.outputs.embedding, F.normalize(expected[0, :256], dim=0).tolist(), atol=1e-4)
+    truncating.close()
+
+
+def _retrieval_set() -> dict[str, Any]:
+    return json.loads((Path(__file__).parent / "data" / "retrieval_small.json").read_text())
+
+
+def test_nomic_retrieves_and_reranks_through_the_openai_client(nomic: Path) -> None:
+    """20 queries x 100 passages: recall@5 of the real model through /v1/embeddings (the official openai client,
+    float and base64), and /rerank ranks as the cosine of those embeddings; bad input gets a 400."""
+    import openai
+
+    from tests.server_utils import live_server
+
+    data = _retrieval_set()
+    passages = ["search_document: " + p for p in data["passages"]]
+    with live_server("--model", str(nomic)) as server, httpx.Client(base_url=server.url, timeout=120) as http:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        floats = client.embeddings.create(model=model, input=passages, encoding_format="float")
+        assert floats.usage.prompt_tokens > 100 * 5
+        documents = torch.tensor([d.embedding for d in floats.data])
+        raw = http.post("/v1/embeddings",
+                         json={"model": model, "input": passages[:3], "encoding_format": "base64"}).json()
+        decoded = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in raw["data"]]
+        assert np.allclose(np.stack(decoded), documents[:3].numpy(), atol=1e-6)
+        through_client = client.embeddings.create(model=model, input=passages[:3])  # the client's base64
+        assert np.allclose([d.embedding for d in through_client.data], documents[:3].numpy(), atol=1e-6)
+
+        hits = 0
+        hits_seen: list[int] = []
+        for item in data["queries"]:
+            query = "search_query: " + item["query"]
+            vector = torch.tensor(client.embeddings.create(model=model, input=query).data[0].embedding)
+            cosine = documents @ vector
+            top = cosine.topk(5).indices.tolist()
+            hits += item["relevant"] in top
+            # rerank a candidate list (the 10 nearest and 10 others, shuffled): the same order as the cosine
+            candidates = cosine.argsort(descending=True)[:10].tolist() + list(range(0, 100, 10))
+            candidates = list(dict.fromkeys(candidates))
+            random.Random(len(hits_seen)).shuffle(candidates)
+            hits_seen.append(item["relevant"])
+            reranked = http.post("/rerank", json={"model": model, "query": query, "top_n": 5,
+                                                  "documents": [passages[c] for c in candidates]}).json()
+            assert [candidates[r["index"]] for r in reranked["results"]] == top
+            assert reranked["results"][0]["document"]["text"] == passages[top[0]]
+            assert abs(reranked["results"][0]["relevance_score"] - cosine[top[0]].item()) < 1e-4
+        assert hits / len(data["queries"]) >= 0.9, hits
+
+        scored = http.post("/score", json={"model": model, "text_1": passages[0],
+                                                         "text_2": [passages[0], passages[1]]}).json()
+        assert scored["data"][0]["score"] == pytest.approx(1.0, abs=1e-4)
+        assert scored["data"][1]["score"] == pytest.approx((documents[0] @ documents[1]).item(), abs=1e-4)
+
+        def status(path: str, body: dict[str, Any]) -> tuple[int, str]:
+            reply = http.post(path, json={"model": model, **body})
+            return reply.status_code, reply.json()["error"]["message"] if reply.status_code != 200 else ""
+
+        assert status("/v1/embeddings", {"input": []})[0] == 400
+        assert status("/v1/embeddings", {"input": ""}) == (400, "an input is an empty string")
+        assert status("/v1/embeddings", {"input": 5})[0] == 400
+        assert status("/v1/embeddings", {"input": [[1, 2], "x"]})[0] == 400
+        code, message = status("/v1/embeddings", {"input": "word " * 3000})
+        assert code == 400 and "maximum of 2048" in message
+        long = client.embeddings.create(model=model, input="word " * 3000,
+                                        extra_body={"truncate_prompt_tokens": 100})
+        assert long.usage.prompt_tokens == 100
+        assert status("/v1/embeddings", {"input": "x", "dimensions": 64})[0] == 400
+        assert status("/v1/embeddings", {"input": [10**7]})[0] == 400
+        assert status("/rerank", {"query": "q", "documents": []})[0] == 400
+        assert status("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})[0] == 400
+        code, message = status("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert code == 400 and "--task embed" in message
+        assert client.embeddings.create(model=model, input="still serving").data  # nothing broke
+
+
+def test_a_generative_server_refuses_embeddings() -> None:
+    from tests.server_utils import live_server
+
+    with live_server() as server:
+        reply = httpx.post(server.url + "/v1/embeddings", json={"input": "hello"})
+        assert reply.status_code == 400 and "--task embed" in reply.json()["error"]["message"]
