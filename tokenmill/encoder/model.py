@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.encoder.config import EncoderConfig, Pooling
-from tokenmill.model.quant import QuantLinear, make_linear
+from tokenmill.model.quant import BF16Linear, QuantLinear, make_linear
 
 
 @dataclass
@@ -54,29 +54,39 @@ class EncoderLayer(nn.Module):
                 ) -> torch.Tensor:
         config = self.config
         heads, head_dim = config.num_heads, config.head_dim
-        q, k, v = self.qkv(x).view(-1, 3, heads, head_dim).unbind(1)
+        # [3, heads, tokens, head_dim]: each head's rows contiguous, as the fused CPU attention kernel reads them
+        q, k, v = self.qkv(x).view(-1, 3, heads, head_dim).permute(1, 2, 0, 3).contiguous().unbind(0)
         if rotary is not None:
             q, k = _rotate(q, *rotary), _rotate(k, *rotary)
-        attended = torch.empty_like(q)
+        parts = []
         start = 0
         for length in lengths:  # each input attends to its own tokens only (no padding, no mask)
             span = slice(start, start + length)
-            attended[span] = F.scaled_dot_product_attention(
-                q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)).transpose(0, 1)
+            parts.append(F.scaled_dot_product_attention(q[None, :, span], k[None, :, span], v[None, :, span])[0])
             start += length
-        x = self.attn_norm(x + self.out(attended.reshape(-1, heads * head_dim)))
-        inner = self.up(x)
-        if config.gated_mlp:
+        attended = torch.cat(parts, dim=1).transpose(0, 1).reshape(-1, heads * head_dim)
+        x = self.attn_norm(x + self.out(attended))
+        return self.mlp_norm(x + self._mlp(x))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        up, down = self.up, self.down
+        if isinstance(up, BF16Linear) and isinstance(down, BF16Linear):
+            # bf16 linears: the intermediate (the widest activation) stays in bf16 from one GEMM to the next;
+            # the down GEMM would round it to bf16 anyway, and float32 round trips cost 10% of a batch here
+            inner = F.linear(x.to(torch.bfloat16), up.weight, None if up.bias is None else up.bias.bfloat16())
+            return F.linear(self._activate(inner), down.weight).float() + (0 if down.bias is None else down.bias)
+        return down(self._activate(up(x)))
+
+    def _activate(self, inner: torch.Tensor) -> torch.Tensor:
+        if self.config.gated_mlp:
             gate, up = inner.chunk(2, dim=-1)
-            inner = F.silu(gate) * up
-        else:
-            inner = F.gelu(inner)
-        return self.mlp_norm(x + self.down(inner))
+            return F.silu(gate) * up
+        return F.gelu(inner)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary positions, the halves of each head rotated together (GPT-NeoX style, as nomic-bert and
-    llama.cpp's NEOX rope): x [tokens, heads, head_dim], cos/sin [tokens, 1, head_dim / 2]."""
+    llama.cpp's NEOX rope): x [heads, tokens, head_dim], cos/sin [tokens, head_dim / 2]."""
     first, second = x.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
@@ -165,7 +175,7 @@ class EncoderModel(nn.Module):
         else:
             inv_freq = cast(torch.Tensor, self.inv_freq)
             angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-            rotary = (angles.cos()[:, None, :], angles.sin()[:, None, :])
+            rotary = (angles.cos(), angles.sin())
         x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, lengths, rotary)
