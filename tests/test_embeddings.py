@@ -101,8 +101,8 @@ def test_a_cross_encoder_scores_pairs_as_transformers(tiny: dict[str, Any]) -> N
     with torch.no_grad():
         logits = model(**tokenizer([query] * 3, documents, return_tensors="pt", padding=True)).logits[:, 0]
     assert np.allclose(scores, torch.sigmoid(logits).tolist(), atol=1e-5)
-    with pytest.raises(ValueError, match="not an embedding model"):
-        LLM(task="embed")  # the bundled decoder is no encoder
+    with pytest.raises(ValueError, match="generates"):
+        LLM().embed("hello")  # the bundled model generates
     with pytest.raises(ValueError, match="task embed"):
         LLM(str(path), task="generate")
     llm.close()
@@ -230,7 +230,8 @@ def test_nomic_embed_matches_transformers_on_its_weights(nomic: Path) -> None:
     reference_model = _transformers_nomic(nomic)
     exact = LLM(str(nomic), quantization="none")
     default = LLM(str(nomic))
-    inputs = [exact._embedder().make_input(t) for t in NOMIC_TEXTS]
+    assert exact.embedder is not None
+    inputs = [exact.embedder.make_input(t) for t in NOMIC_TEXTS]
     with torch.no_grad():
         expected = torch.stack([
             F.normalize(reference_model(input_ids=torch.tensor([i.token_ids])).last_hidden_state[0].mean(0), dim=0)
@@ -330,3 +331,55 @@ def test_a_generative_server_refuses_embeddings() -> None:
     with live_server() as server:
         reply = httpx.post(server.url + "/v1/embeddings", json={"input": "hello"})
         assert reply.status_code == 400 and "--task embed" in reply.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- a decoder with task "embed"
+
+
+def test_a_decoder_embeds_its_last_token_through_the_scheduler(tmp_path: Path) -> None:
+    """Qwen3 with task "embed" (Qwen3-Embedding's pooling): each prompt a request through the scheduler, its
+    chunks under the token budget, the final hidden state after its last token, as transformers' Qwen3Model; the
+    same alone, batched, chunked and from the prefix cache."""
+    from tests.test_families import _prompts, _tiny_model
+
+    model = _tiny_model("qwen3", tmp_path)
+    prompts = _prompts()
+    with torch.no_grad():
+        expected = [F.normalize(model.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0) for p in prompts]
+    llm = LLM(str(tmp_path), task="embed", quantization="none", max_num_batched_tokens=16)  # 70 tokens: 5 chunks
+    batched = [o.outputs.embedding for o in llm.embed(prompts)]
+    again = [o.outputs.embedding for o in llm.embed(prompts)]  # their prefixes now come from the cache
+    alone = [llm.embed(p)[0].outputs.embedding for p in prompts]
+    for vectors in (batched, again, alone):
+        for ours, reference in zip(vectors, expected, strict=True):
+            assert F.cosine_similarity(torch.tensor(ours), reference, dim=0) >= 0.99999
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks  # nothing held after
+    scores = [o.outputs.score for o in llm.score(prompts[0], prompts[:2])]  # type: ignore[arg-type]
+    assert scores[0] == pytest.approx(1.0, abs=1e-5)
+    assert scores[1] == pytest.approx(float(expected[0] @ expected[1]), abs=1e-5)
+    with pytest.raises(ValueError, match="last-token"):
+        LLM(str(tmp_path), task="embed", pooler_config={"pooling_type": "MEAN"})
+
+
+def test_a_decoder_serves_embeddings_through_its_engine_cores(tmp_path: Path) -> None:
+    """`tokenmill serve QWEN3_DIR --task embed`: /v1/embeddings through the engine-core processes (the official
+    client), equal to the offline engine's; generation is refused there with a 400."""
+    import openai
+
+    from tests.server_utils import live_server
+    from tests.test_families import _tiny_model
+
+    _tiny_model("qwen3", tmp_path)
+    texts = ["w5 w6 w7 w8", "w9 " * 40 + "w10"]
+    offline = LLM(str(tmp_path), task="embed", quantization="none")
+    expected = [o.outputs.embedding for o in offline.embed(texts)]
+    with live_server("--model", str(tmp_path), "--task", "embed", "--quantization", "none") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        reply = client.embeddings.create(model=client.models.list().data[0].id, input=texts)
+        assert reply.usage.prompt_tokens == 4 + 41
+        for ours, reference in zip(reply.data, expected, strict=True):
+            assert np.allclose(ours.embedding, reference, atol=1e-5)
+        chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert chat.status_code == 400 and "--task embed" in chat.json()["error"]["message"]
+        bad = httpx.post(server.url + "/v1/embeddings", json={"input": ["w5", ""]})
+        assert bad.status_code == 400

@@ -7,9 +7,13 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any, cast
 
+import numpy as np
+
 from tokenmill.config import EngineConfig
-from tokenmill.encoder.config import resolve_task
-from tokenmill.encoder.engine import EmbeddingEngine, truncate_dimensions
+from tokenmill.encoder.config import is_encoder_model, resolve_task
+from tokenmill.encoder.engine import EmbeddingEngine
+from tokenmill.encoder.inputs import decoder_input
+from tokenmill.encoder.pooling_options import decoder_pooling, l2_normalize, truncate_dimensions
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.metadata import resolve_model_path
@@ -24,6 +28,7 @@ from tokenmill.outputs import (
 from tokenmill.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
+POOL = SamplingParams(max_tokens=1, temperature=0.0, pool=True)
 
 
 class LLM:
@@ -37,16 +42,21 @@ class LLM:
                 raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
             config = EngineConfig(model=model, **engine_args)
         self.task = resolve_task(resolve_model_path(config.model), config.task)
+        # an encoder embeds in its own engine; a decoder (generating or embedding) runs in the LLM engine
         self.embedder: EmbeddingEngine | None = None
-        if self.task == "embed":
+        if self.task == "embed" and is_encoder_model(resolve_model_path(config.model)):
             self.embedder = EmbeddingEngine(config)
         else:
             self._engine = LLMEngine.from_config(config)
+            if self.task == "embed":
+                model_config = self._engine.processor.model_config
+                self._decoder_pooling = decoder_pooling(config.pooler_config, config.hf_overrides,
+                                                        model_config.hidden_size if model_config else 0)
 
     @property
     def engine(self) -> LLMEngine:
         if self.embedder is not None:
-            raise ValueError("this LLM embeds (task='embed'): use embed() and score(), not generation")
+            raise ValueError("this LLM embeds with an encoder (task='embed'): use embed() and score()")
         return self._engine
 
     def close(self) -> None:
@@ -59,13 +69,26 @@ class LLM:
     def embed(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
               truncate_prompt_tokens: int | None = None, dimensions: int | None = None
               ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (text, or token ids taken as they are), pooled as the model says."""
-        embedder = self._embedder()
-        texts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
-        inputs = [embedder.make_input(t, truncate_prompt_tokens=truncate_prompt_tokens)  # type: ignore[arg-type]
-                  for t in texts]
-        vectors = truncate_dimensions(embedder.submit(inputs).result(), dimensions, embedder.config,
-                                      embedder.normalize)
+        """One embedding per prompt (text, or token ids taken as they are), pooled as the model says (a decoder:
+        its last token's final hidden state, each prompt a request through the scheduler)."""
+        if self.task != "embed":
+            raise ValueError("this LLM generates: embeddings need LLM(model, task='embed') on an embedding model")
+        texts = cast(list[str | list[int]], [prompts] if isinstance(prompts, str) or
+                     (prompts and isinstance(prompts[0], int)) else list(prompts))
+        if self.embedder is not None:
+            embedder = self.embedder
+            inputs = [embedder.make_input(t, truncate_prompt_tokens=truncate_prompt_tokens) for t in texts]
+            vectors = embedder.submit(inputs).result().numpy()
+            normalize, allowed = embedder.normalize, embedder.config.matryoshka_dimensions
+        else:
+            normalize, allowed = self._decoder_pooling
+            engine = self._engine
+            inputs = [decoder_input(engine.tokenizer, engine.processor.vocab_size, engine.max_model_len, t,
+                                    truncate_prompt_tokens) for t in texts]
+            outputs = self.generate([{"prompt_token_ids": i.token_ids} for i in inputs], POOL)
+            vectors = np.array([o.pooled for o in outputs], dtype=np.float32)
+            vectors = l2_normalize(vectors) if normalize else vectors
+        vectors = truncate_dimensions(vectors, dimensions, allowed, normalize)
         return [EmbeddingRequestOutput(f"embd-{i}", inputs[i].token_ids, EmbeddingOutput(vector.tolist()))
                 for i, vector in enumerate(vectors)]
 
@@ -74,14 +97,14 @@ class LLM:
         """How relevant each of `text_2` is to `text_1` (vLLM's LLM.score): a cross-encoder's score, else the
         cosine similarity of the embeddings."""
         documents = [text_2] if isinstance(text_2, str) else list(text_2)
-        scores = self._embedder().score(text_1, documents, truncate_prompt_tokens)
+        if self.embedder is not None:
+            scores = self.embedder.score(text_1, documents, truncate_prompt_tokens)
+        else:
+            vectors = np.array([o.outputs.embedding for o in self.embed([text_1, *documents],
+                                                                         truncate_prompt_tokens)])
+            vectors = l2_normalize(vectors)
+            scores = (vectors[1:] @ vectors[0]).tolist()
         return [ScoringRequestOutput(f"score-{i}", ScoringOutput(s)) for i, s in enumerate(scores)]
-
-    def _embedder(self) -> EmbeddingEngine:
-        if self.embedder is None:
-            raise ValueError("this LLM generates: embeddings and scores need LLM(model, task='embed') on an "
-                             "embedding model")
-        return self.embedder
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -47,6 +47,7 @@ class RequestOutput:
     # the top-N), the first None; set once the prompt is computed
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: list[RequestMetrics] = field(default_factory=list)  # one per completion (n > 1)
+    pooled: list[float] | None = None  # SamplingParams.pool: the prompt's last-token hidden state
 
 
 @dataclass

@@ -68,6 +68,8 @@ class ModelRunnerOutput:
     # prompt logprobs of this step's prompt chunks: request id -> (the position of the first token they score,
     # one entry per scored prompt token)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # pooling requests (SamplingParams.pool) whose prompt ended this step: the last token's final hidden state
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a producer's saved KV, for the decode engine
     prompt_logprobs: list[dict[int, float]] | None = None  # with the first token: prompt tokens 1.. scored
+    pooled: list[float] | None = None  # a pooling request's embedding, with its end
 
 
 @dataclass

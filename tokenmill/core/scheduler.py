@@ -521,6 +521,13 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if request.sampling_params.pool:  # an embedding: its prompt is done, so is the request
+                request.times.first_token = request.times.last_token = now
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="stop",
+                                                pooled=output.pooled.get(request.request_id)))
+                continue
             accepted = output.accepted_token_ids.get(scheduled.request_id, [])
             tokens = accepted + [output.sampled_token_ids[scheduled.request_id]]
             logprob_list = output.accepted_logprobs.get(scheduled.request_id, [])

@@ -168,16 +168,24 @@ def read_encoder_config(path: str) -> EncoderConfig:
     return gguf_encoder_config(GGUFFile(path))
 
 
+def is_decoder_embedding_model(path: str) -> bool:
+    """A decoder its file marks as an embedding model: a GGUF with last-token pooling (llama.cpp's converted
+    Qwen3-Embedding), or an HF directory whose sentence-transformers pooling takes the last token."""
+    if os.path.isdir(path):
+        return _sentence_transformers_pooling(path)[0] == "last"
+    if path.endswith(".gguf"):
+        fields = GGUFFile(path).fields
+        return int(fields.get(f"{fields.get('general.architecture')}.pooling_type", 0)) == 3
+    return False
+
+
 def resolve_task(path: str, task: str) -> str:
-    """"generate" or "embed" for the model at `path`: "auto" is what the file is; a mismatch is refused here,
-    with what to do instead."""
+    """"generate" or "embed" for the model at `path`: "auto" is what the file is (an encoder, or a decoder its
+    file marks as an embedding model, embeds); an encoder cannot generate. A decoder embeds by last-token pooling
+    through the engine's scheduler (SamplingParams.pool)."""
     encoder = is_encoder_model(path)
     if task == "auto":
-        return "embed" if encoder else "generate"
-    if task == "embed" and not encoder:
-        raise ValueError(f"{path} is not an embedding model: --task embed serves encoders "
-                         f"({', '.join(ENCODER_GGUF_ARCHITECTURES)} GGUF files; {', '.join(ENCODER_HF_MODEL_TYPES)} "
-                         "HF directories)")
+        return "embed" if encoder or is_decoder_embedding_model(path) else "generate"
     if task == "generate" and encoder:
         raise ValueError(f"{path} is an embedding model: serve it with --task embed (LLM(task='embed'))")
     return task

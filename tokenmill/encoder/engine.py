@@ -16,14 +16,15 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.config import EngineConfig
-from tokenmill.encoder.config import POOLING_TYPES, EncoderConfig, Pooling, read_encoder_config
-from tokenmill.encoder.model import EncoderInput, EncoderModel
+from tokenmill.encoder.config import EncoderConfig, Pooling, read_encoder_config
+from tokenmill.encoder.inputs import EncoderInput, checked_input
+from tokenmill.encoder.model import EncoderModel
+from tokenmill.encoder.pooling_options import matryoshka_dimensions, pooler_options
 from tokenmill.encoder.tokenizer import EncoderTokenizer
 from tokenmill.encoder.weights import load_encoder_weights
 from tokenmill.model.metadata import resolve_model_path
@@ -61,16 +62,8 @@ class EmbeddingEngine:
         self.path = path
         options = pooler_options(config.pooler_config)
         model_config = read_encoder_config(path)
-        overrides = config.hf_overrides or {}
-        unknown = set(overrides) - {"matryoshka_dimensions", "is_matryoshka"}
-        if unknown:
-            raise ValueError(f"hf_overrides for an encoder take matryoshka_dimensions and is_matryoshka, not "
-                             f"{sorted(unknown)}")
-        if overrides.get("matryoshka_dimensions"):
-            model_config = replace(model_config, matryoshka_dimensions=tuple(
-                int(d) for d in overrides["matryoshka_dimensions"]))
-        elif overrides.get("is_matryoshka"):
-            model_config = replace(model_config, matryoshka_dimensions=(model_config.hidden_size,))
+        model_config = replace(model_config, matryoshka_dimensions=matryoshka_dimensions(
+            config.hf_overrides, model_config.hidden_size, model_config.matryoshka_dimensions))
         self.config: EncoderConfig = model_config
         self.pooling: Pooling = options.get("pooling_type", model_config.pooling)
         self.normalize: bool = options.get("normalize", model_config.normalize)
@@ -101,25 +94,10 @@ class EmbeddingEngine:
             if not text:
                 raise ValueError("an input is an empty string")
             ids, types = self.tokenizer.encode(text, pair)
-        else:
-            ids, types = [int(t) for t in text], [0] * len(text)
-            if not ids:
-                raise ValueError("an input is an empty list of tokens")
-            bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"token id {bad} is out of the vocabulary (0..{self.config.vocab_size - 1})")
-        limit = self.max_model_len
-        if truncate_prompt_tokens is not None:
-            if truncate_prompt_tokens < 1:
-                raise ValueError("truncate_prompt_tokens must be >= 1")
-            keep = min(truncate_prompt_tokens, limit)
-            if len(ids) > keep:  # keep the end special token ([SEP]) where the tokenizer added one
-                tail = 1 if isinstance(text, str) else 0
-                ids, types = ids[:keep - tail] + ids[len(ids) - tail:], types[:keep - tail] + types[len(types) - tail:]
-        if len(ids) > limit:
-            raise ValueError(f"an input has {len(ids)} tokens, more than this model's maximum of {limit}: shorten "
-                             "it or set truncate_prompt_tokens")
-        return EncoderInput(ids, types)
+            return checked_input(ids, types, self.config.vocab_size, self.max_model_len, truncate_prompt_tokens,
+                                 keep_last=True)
+        return checked_input([int(t) for t in text], None, self.config.vocab_size, self.max_model_len,
+                             truncate_prompt_tokens, keep_last=False)
 
     # ------------------------------------------------------------------ serving
 
@@ -247,39 +225,6 @@ class EmbeddingEngine:
             else:
                 results.append(F.normalize(rows, dim=-1) if self.normalize else rows)
         return results
-
-
-def truncate_dimensions(vectors: torch.Tensor, dimensions: int | None, config: EncoderConfig,
-                        normalize: bool) -> torch.Tensor:
-    """Matryoshka: the first `dimensions` components, renormalised. ValueError where the model was not trained
-    for it (its config names no matryoshka dimensions) or the size is not one it allows."""
-    if dimensions is None:
-        return vectors
-    allowed = config.matryoshka_dimensions
-    if allowed is None:
-        raise ValueError("this model does not support the dimensions parameter (not a matryoshka model)")
-    if not 1 <= dimensions <= config.hidden_size or (len(allowed) > 1 and dimensions not in allowed):
-        sizes = f"one of {list(allowed)}" if len(allowed) > 1 else f"1..{config.hidden_size}"
-        raise ValueError(f"dimensions must be {sizes}, got {dimensions}")
-    vectors = vectors[:, :dimensions]
-    return F.normalize(vectors, dim=-1) if normalize else vectors
-
-
-def pooler_options(pooler_config: dict[str, Any] | None) -> dict[str, Any]:
-    """vLLM's --pooler-config ({"pooling_type": "MEAN", "normalize": true}) -> {"pooling_type", "normalize"}."""
-    options: dict[str, Any] = {}
-    for key, value in (pooler_config or {}).items():
-        if key == "pooling_type":
-            pooling = str(value).lower()
-            if pooling not in POOLING_TYPES:
-                raise ValueError(f"pooling_type must be one of {', '.join(p.upper() for p in POOLING_TYPES)}, "
-                                 f"got {value!r}")
-            options[key] = pooling
-        elif key == "normalize":
-            options[key] = bool(value)
-        else:
-            raise ValueError(f"pooler_config takes pooling_type and normalize, not {key!r}")
-    return options
 
 
 def resolve_encoder_quantization(mode: str) -> str:

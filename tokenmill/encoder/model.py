@@ -9,7 +9,6 @@ bf16 or the int8 kernels, as `--quantization` resolves.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -17,13 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.encoder.config import EncoderConfig, Pooling
+from tokenmill.encoder.inputs import EncoderInput
 from tokenmill.model.quant import BF16Linear, QuantLinear, make_linear
-
-
-@dataclass
-class EncoderInput:
-    token_ids: list[int]
-    token_type_ids: list[int] | None = None  # 0 for every token when None
 
 
 class _LayerNorm(nn.Module):

@@ -53,6 +53,7 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[_Completion]
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -122,6 +123,8 @@ class OutputProcessor:
             parent, child = entry
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None, *out.prompt_logprobs]
+            if out.pooled is not None:
+                parent.pooled = out.pooled
             if child.finished:
                 continue
             self._advance(child, out)
@@ -204,6 +207,7 @@ class OutputProcessor:
             finished=parent.finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
             prompt_logprobs=parent.prompt_logprobs,
+            pooled=parent.pooled,
             metrics=[_metrics(c.request) for c in parent.children],
         )
 

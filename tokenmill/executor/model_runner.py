@@ -295,23 +295,28 @@ class ModelRunner:
     def compute_logits(self, plan: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         """Run the flat batch; logits of the requests that sample this step (in plan order): one row each, or
         1 + k rows for a request verifying k proposed tokens (its last 1 + k positions)."""
-        sampled, logits, _ = self._run(plan)
+        sampled, logits, _, _ = self._run(plan)
         return sampled, logits
 
-    def _run(self, plan: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None, PromptLogprobs]:
-        """compute_logits, and the prompt logprobs of the chunks that asked for them."""
+    def _run(self, plan: SchedulerOutput
+             ) -> tuple[list[ScheduledRequest], torch.Tensor | None, PromptLogprobs, dict[str, list[float]]]:
+        """compute_logits, the prompt logprobs of the chunks that asked for them, and the embeddings of the
+        pooling requests whose prompt ends this step (the last token's hidden state; they sample nothing)."""
         hidden, last_rows = self._forward(plan.scheduled)
         prompt_logprobs = {s.request_id: self._score_prompt(s, hidden, int(last)) for s, last in
                            zip(plan.scheduled, last_rows) if s.score_prompt and not s.padding}
-        sampled = [(i, s) for i, s in enumerate(plan.scheduled) if s.sample and not s.padding]
+        pooled = {s.request_id: hidden[int(last_rows[i])].float().tolist() for i, s in
+                        enumerate(plan.scheduled) if s.sample and not s.padding and s.sampling_params.pool}
+        sampled = [(i, s) for i, s in enumerate(plan.scheduled)
+                   if s.sample and not s.padding and not s.sampling_params.pool]
         if not sampled:
-            return [], None, prompt_logprobs
+            return [], None, prompt_logprobs, pooled
         if any(s.num_spec_tokens for _, s in sampled):
             rows = np.concatenate([np.arange(last_rows[i] - s.num_spec_tokens, last_rows[i] + 1) for i, s in sampled])
         else:
             rows = last_rows[[i for i, _ in sampled]]
         logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
-        return [s for _, s in sampled], logits, prompt_logprobs
+        return [s for _, s in sampled], logits, prompt_logprobs, pooled
 
     def _score_prompt(self, s: ScheduledRequest, hidden: torch.Tensor, last_row: int) -> tuple[int, PromptEntries]:
         """The logprobs of the prompt tokens this chunk predicts (its rows but the one after the prompt's last
@@ -349,15 +354,16 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if plan.is_empty:
             return ModelRunnerOutput({})
-        sampled, logits, prompt_logprobs = self._run(plan)
+        sampled, logits, prompt_logprobs, pooled = self._run(plan)
         if logits is None:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, pooled=pooled)
         if plan.grammar_bitmask is not None:
             # as in vLLM, before the sampler: logprobs are those of the constrained distribution
             apply_bitmask(logits, self._structured_rows(sampled), plan.grammar_bitmask)
         if any(s.num_spec_tokens for s in sampled):
             verified = self._verify(sampled, logits)
             verified.prompt_logprobs = prompt_logprobs
+            verified.pooled = pooled
             return verified
         rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._row_generator(s),
                             s.banned_token_ids) for s in sampled]
@@ -366,6 +372,7 @@ class ModelRunner:
             sampled_token_ids={s.request_id: t for s, t in zip(sampled, result.token_ids)},
             logprobs={s.request_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None},
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )
 
     @staticmethod

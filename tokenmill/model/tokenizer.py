@@ -39,11 +39,13 @@ BUILTIN_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
 
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
-                 add_bos_token: bool, chat_template: str | None) -> None:
+                 add_bos_token: bool, chat_template: str | None, add_eos_token: bool = False) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token  # a GGUF's flag, read by embedding inputs (encode_for_pooling)
+        self.from_hf_files = False  # its tokenizer.json's own template applies (encode_for_pooling)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.set_chat_template(chat_template)
 
@@ -89,6 +91,7 @@ class Tokenizer:
             bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
             eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
             add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+            add_eos_token=bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False)),
             chat_template=gguf_field(reader, "tokenizer.chat_template") or BUILTIN_CHAT_TEMPLATES.get(architecture),
         )
 
@@ -112,8 +115,10 @@ class Tokenizer:
                 token = token.get("content")
             return None if token is None else backend.token_to_id(token)
 
-        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
-                   add_bos_token=bool(config.get("add_bos_token", False)), chat_template=template)
+        tokenizer = cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
+                        add_bos_token=bool(config.get("add_bos_token", False)), chat_template=template)
+        tokenizer.from_hf_files = True
+        return tokenizer
 
     # ------------------------------------------------------------ encode / decode
 
@@ -122,6 +127,15 @@ class Tokenizer:
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_for_pooling(self, text: str) -> list[int]:
+        """An embedding model's input: with the special tokens its tokenizer adds (an HF tokenizer.json's
+        template, e.g. Qwen3-Embedding's closing <|endoftext|>; a GGUF's add_bos / add_eos flags), since
+        last-token pooling reads the state after the closing one."""
+        if not self.add_eos_token and self.backend.post_processor is not None and self.from_hf_files:
+            return list(self.backend.encode(text, add_special_tokens=True).ids)
+        ids = self.encode(text)
+        return ids + [self.eos_token_id] if self.add_eos_token and self.eos_token_id is not None else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

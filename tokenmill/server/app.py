@@ -374,7 +374,6 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                       options.enable_auto_tool_choice and options.tool_call_parser is not None, check_api_key,
                       check_model, reasoning_parser(llm.config.reasoning_parser))
     add_tokenizer_routes(app, serving, options.enable_tokenizer_info_endpoint)
-    refuse_embeddings(app, model_name, [Depends(check_api_key)])
     if loras is not None and options.enable_runtime_lora_updating:
         add_lora_routes(app, loras, check_api_key)
     add_messages_routes(app, serving)
@@ -400,6 +399,14 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,
                            http_request, lora)
 
+    if llm.config.task == "embed":  # a decoder embedding model (last-token pooling through the scheduler):
+        # the embedding endpoints, and generation's refused
+        from tokenmill.server.embedding_backends import decoder_backend
+        from tokenmill.server.embeddings_api import EmbeddingServing, add_embedding_routes
+
+        add_embedding_routes(app, EmbeddingServing(decoder_backend(llm), model_name), check_api_key, check_model)
+    else:
+        refuse_embeddings(app, model_name, [Depends(check_api_key)])
     return app
 
 

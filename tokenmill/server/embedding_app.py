@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.config import EngineConfig
 from tokenmill.encoder.engine import EmbeddingEngine
 from tokenmill.server.app import ServerOptions, default_model_name, error_response, validation_message
+from tokenmill.server.embedding_backends import EncoderBackend
 from tokenmill.server.embeddings_api import EmbeddingServing, add_embedding_routes
 from tokenmill.server.errors import APIError
 from tokenmill.server.middleware import RequestGate, ServerState
@@ -120,7 +121,7 @@ def build_embedding_app(embedder: EmbeddingEngine, options: ServerOptions | None
         tokens, _ = embedder.tokenizer.encode(body.prompt)
         return {"count": len(tokens), "max_model_len": embedder.max_model_len, "tokens": tokens}
 
-    add_embedding_routes(app, EmbeddingServing(embedder, name), check_api_key, check_model)
+    add_embedding_routes(app, EmbeddingServing(EncoderBackend(embedder), name), check_api_key, check_model)
     return app
 
 

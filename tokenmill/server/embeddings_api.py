@@ -1,4 +1,4 @@
-"""Embeddings, reranking and scores over the embedding engine (tokenmill/encoder/): OpenAI's
+"""Embeddings, reranking and scores over a model that embeds (an encoder, or a decoder with --task embed): OpenAI's
 `POST /v1/embeddings`, the Jina/Cohere shape of `POST /rerank` and `/v1/rerank`, and vLLM's `POST /score`.
 
 A server started with `--task embed` serves these; server/task_routes.py answers the other task's endpoints.
@@ -6,19 +6,18 @@ A server started with `--task embed` serves these; server/task_routes.py answers
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
-import torch
+import numpy as np
 from fastapi import Depends, FastAPI
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tokenmill.encoder.engine import EmbeddingEngine, truncate_dimensions
-from tokenmill.encoder.model import EncoderInput
+from tokenmill.encoder.inputs import EncoderInput
+from tokenmill.encoder.pooling_options import l2_normalize, truncate_dimensions
 from tokenmill.server.errors import APIError
 from tokenmill.server.task_routes import refuse_generation
 
@@ -67,37 +66,50 @@ class ScoreRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
 
 
+class EmbeddingBackend(Protocol):
+    """What the endpoints need of a model that embeds (server/embedding_backends.py: an encoder's engine, or a
+    decoder's engine cores)."""
+
+    normalize: bool
+    matryoshka_dimensions: tuple[int, ...] | None
+    cross_encoder: bool
+
+    def make_input(self, text: str | list[int], pair: str | None = None,
+                   truncate_prompt_tokens: int | None = None) -> EncoderInput: ...
+
+    async def run(self, inputs: list[EncoderInput], classify: bool = False) -> np.ndarray: ...
+
+
 def _usage(tokens: int) -> dict[str, int]:
     return {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
-def _encode_vector(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+def _encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":  # little-endian float32, as OpenAI's API and client
-        return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode()
-    return vector.tolist()
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return [float(v) for v in vector]
 
 
 class EmbeddingServing:
-    """The endpoints' work over one engine: inputs checked and tokenized, submitted, awaited."""
+    """The endpoints' work over one backend: inputs checked and tokenized, run, shaped."""
 
-    def __init__(self, embedder: EmbeddingEngine, model_name: str) -> None:
-        self.embedder = embedder
+    def __init__(self, backend: EmbeddingBackend, model_name: str) -> None:
+        self.backend = backend
         self.model_name = model_name
 
     def inputs(self, texts: list[str | list[int]], pairs: list[str] | None = None,
                truncate: int | None = None) -> list[EncoderInput]:
         try:
-            return [self.embedder.make_input(t, None if pairs is None else pairs[i], truncate)
+            return [self.backend.make_input(t, None if pairs is None else pairs[i], truncate)
                     for i, t in enumerate(texts)]
         except ValueError as exc:
             raise APIError(400, str(exc), param="input") from exc
 
-    async def run(self, inputs: list[EncoderInput], classify: bool = False) -> torch.Tensor:
+    async def run(self, inputs: list[EncoderInput], classify: bool = False) -> np.ndarray:
         try:
-            future = self.embedder.submit(inputs, classify)
+            return await self.backend.run(inputs, classify)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
-        return await asyncio.wrap_future(future)
 
     async def embed(self, body: EmbeddingRequest) -> dict[str, Any]:
         raw = body.input
@@ -106,7 +118,8 @@ class EmbeddingServing:
         inputs = self.inputs(texts, truncate=body.truncate_prompt_tokens)
         vectors = await self.run(inputs)
         try:
-            vectors = truncate_dimensions(vectors, body.dimensions, self.embedder.config, self.embedder.normalize)
+            vectors = truncate_dimensions(vectors, body.dimensions, self.backend.matryoshka_dimensions,
+                                          self.backend.normalize)
         except ValueError as exc:
             raise APIError(400, str(exc), param="dimensions") from exc
         tokens = sum(len(i.token_ids) for i in inputs)
@@ -118,13 +131,13 @@ class EmbeddingServing:
     async def scores(self, queries: list[str], documents: list[str], truncate: int | None) -> tuple[list[float], int]:
         """Relevance of documents[i] to queries[i]: a cross-encoder's (sigmoid of its logit over the pair) or
         the cosine similarity of the two embeddings; and the tokens read."""
-        if self.embedder.config.is_cross_encoder:
-            inputs = self.inputs(queries, documents, truncate)  # type: ignore[arg-type]
+        if self.backend.cross_encoder:
+            inputs = self.inputs(list(queries), documents, truncate)
             logits = await self.run(inputs, classify=True)
-            return torch.sigmoid(logits[:, 0]).tolist(), sum(len(i.token_ids) for i in inputs)
+            return (1 / (1 + np.exp(-logits[:, 0]))).tolist(), sum(len(i.token_ids) for i in inputs)
         distinct = list(dict.fromkeys(queries))  # one query against many documents embeds it once
-        inputs = self.inputs([*distinct, *documents], truncate=truncate)  # type: ignore[arg-type]
-        vectors = torch.nn.functional.normalize(await self.run(inputs), dim=-1)
+        inputs = self.inputs([*distinct, *documents], truncate=truncate)
+        vectors = l2_normalize(await self.run(inputs))
         query_rows = vectors[[distinct.index(q) for q in queries]]
         scores = (query_rows * vectors[len(distinct):]).sum(-1)
         return scores.tolist(), sum(len(i.token_ids) for i in inputs)

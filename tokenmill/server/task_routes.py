@@ -25,6 +25,8 @@ def refuse_embeddings(app: FastAPI, model_name: str, dependencies: Sequence[Any]
 
 
 def refuse_generation(app: FastAPI, model_name: str, dependencies: Sequence[Any] = ()) -> None:
+    """(Routes of these paths already in the app, a decoder's, are taken out first.)"""
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in GENERATION_PATHS]
     async def refuse() -> None:
         raise APIError(400, f"this server serves the embedding model {model_name} (--task embed): it answers "
                             "/v1/embeddings, /rerank and /score; generation needs a server on a generative model")
