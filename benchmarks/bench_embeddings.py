@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", nargs="*", default=["tokenmill", "llama.cpp"])
+    parser.add_argument("--llama-batch", type=int, default=512,
+                        help="llama-server's -b and -ub (an input must fit one ubatch: >= 512 here); its "
+                             "attention spans the whole ubatch, so larger ones cost it more")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     tokenizer = EncoderTokenizer.from_path(args.model)
@@ -101,8 +104,8 @@ def main() -> None:
                              timeout=600, omp_wait_policy=None) as server:
                 results[engine], vectors[engine] = run_engine(server.url, inputs, args.repeats)
         else:  # as many slots as inputs in a request, each holding the longest input; inputs run whole
-            flags = ("--embeddings", "--pooling", "mean", "-np", "32", "-c", str(32 * 512), "-b", "8192",
-                     "-ub", "8192")
+            flags = ("--embeddings", "--pooling", "mean", "-np", "32", "-c", str(32 * 512), "-b",
+                     str(args.llama_batch), "-ub", str(args.llama_batch))
             with llamacpp_server(args.model, flags) as url:
                 if url is None:
                     print("llama-server not built (../shared/peers/llamacpp.sh build): skipped")
@@ -124,7 +127,8 @@ def main() -> None:
     lines = [f"Machine: {machine_description()}; {', '.join(f'{k} {v:.0f}' for k, v in limits.items())}. "
              f"File: {Path(args.model).name}. Inputs of 16-512 tokens: 32 of them {tokens['32']} tokens, 256 "
              f"{tokens['256']}. tokenmill serve --task embed (bf16 linears where the CPU has them, "
-             "--max-num-batched-tokens 8192); llama-server --embeddings --pooling mean -np 32 -b 8192 -ub 8192, "
+             f"--max-num-batched-tokens 8192); llama-server --embeddings --pooling mean -np 32 -b {args.llama_batch} "
+             f"-ub {args.llama_batch}, "
              f"{args.repeats} repeats each, one server at a time. Median (min-max).", "",
              markdown_table(headers, rows)]
     if len(vectors) == 2:

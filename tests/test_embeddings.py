@@ -110,11 +110,16 @@ def test_a_cross_encoder_scores_pairs_as_transformers(tiny: dict[str, Any]) -> N
 
 def _write_bert_gguf(path: Path, directory: Path, model: Any) -> None:
     """The tiny BERT as llama.cpp's converter writes one: phantom-space vocabulary ("##x" -> "x", "x" -> "▁x",
-    specials as they are), its tensor names, mean pooling."""
+    specials as they are), its tensor names, mean pooling (a cross-encoder: its head as `cls` and `cls.output`,
+    rank pooling)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "bert")
     config = model.config
+    cross = hasattr(model, "classifier")
+    state = model.state_dict()
+    if cross:
+        state = {k.removeprefix("bert."): v for k, v in state.items()}
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -122,7 +127,7 @@ def _write_bert_gguf(path: Path, directory: Path, model: Any) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_layer_norm_eps(config.layer_norm_eps)
     writer.add_causal_attention(False)
-    writer.add_pooling_type(gguf.PoolingType.MEAN)
+    writer.add_pooling_type(gguf.PoolingType.RANK if cross else gguf.PoolingType.MEAN)
     tokens = [t if t.startswith("[") else t[2:] if t.startswith("##") else "\u2581" + t for t in VOCAB]
     writer.add_tokenizer_model("bert")
     writer.add_token_list(tokens)
@@ -135,11 +140,14 @@ def _write_bert_gguf(path: Path, directory: Path, model: Any) -> None:
              "embeddings.token_type_embeddings.weight": "token_types.weight",
              "embeddings.LayerNorm.weight": "token_embd_norm.weight",
              "embeddings.LayerNorm.bias": "token_embd_norm.bias"}
+    if cross:
+        names |= {"pooler.dense.weight": "cls.weight", "pooler.dense.bias": "cls.bias",
+                  "classifier.weight": "cls.output.weight", "classifier.bias": "cls.output.bias"}
     layer_names = {"attention.self.query": "attn_q", "attention.self.key": "attn_k",
                    "attention.self.value": "attn_v", "attention.output.dense": "attn_output",
                    "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",
                    "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         if name.startswith("encoder.layer."):
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
@@ -148,7 +156,8 @@ def _write_bert_gguf(path: Path, directory: Path, model: Any) -> None:
             gguf_name = names[name]
         else:
             continue  # the next-sentence pooler
-        array = tensor.numpy().astype(np.float16 if tensor.dim() == 2 and "embd" not in gguf_name else np.float32)
+        wide = tensor.dim() == 2 and "embd" not in gguf_name and "cls" not in gguf_name
+        array = tensor.numpy().astype(np.float16 if wide else np.float32)
         writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -173,6 +182,17 @@ def test_a_bert_gguf_reads_as_its_hf_directory(tiny: dict[str, Any], tmp_path: P
             assert F.cosine_similarity(ours, expected, dim=0) >= 0.9999
     finally:
         engine.shutdown()
+
+    # a cross-encoder (rank pooling, its head as cls / cls.output): scores as transformers'
+    directory, cross, tokenizer = tiny["cross"]
+    _write_bert_gguf(tmp_path / "tiny-reranker.gguf", directory, cross)
+    llm = LLM(str(tmp_path / "tiny-reranker.gguf"), quantization="none")
+    query, documents = "the cat", ["the cat sat on the mat", "a blue tree"]
+    with torch.no_grad():
+        logits = cross(**tokenizer([query] * 2, documents, return_tensors="pt", padding=True)).logits[:, 0]
+    scores = [o.outputs.score for o in llm.score(query, documents)]
+    assert np.allclose(scores, torch.sigmoid(logits).tolist(), atol=1e-3)  # f16 weights
+    llm.close()
 
 
 # ---------------------------------------------------------------- the real nomic-embed-text-v1.5 file

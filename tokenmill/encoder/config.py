@@ -138,7 +138,7 @@ def gguf_encoder_config(reader: GGUFFile) -> EncoderConfig:
 
     if get("attention.causal", False):
         raise ValueError(f"this {arch} file is causal: not an encoder")
-    tensors = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
     pooling_id = int(get("pooling_type", 2))
     if pooling_id not in GGUF_POOLING:
         raise ValueError(f"GGUF pooling type {pooling_id} is not supported (mean, cls, last, rank)")
@@ -157,7 +157,9 @@ def gguf_encoder_config(reader: GGUFFile) -> EncoderConfig:
         rope_theta=float(get("rope.freq_base", 1000.0)) if arch == "nomic-bert" else None,
         pooling=GGUF_POOLING[pooling_id],  # type: ignore[arg-type]
         normalize=not cross_encoder,
-        num_labels=1 if cross_encoder else 0,
+        # cls.output.weight is [labels, hidden] (GGUF lists the inner dimension first)
+        num_labels=(int(tensors["cls.output.weight"].shape[1]) if len(tensors["cls.output.weight"].shape) > 1
+                    else 1) if cross_encoder else 0,
         pad_token_id=int(reader.fields.get("tokenizer.ggml.padding_token_id", 0)),
     )
 

@@ -12,11 +12,13 @@ import numpy as np
 
 from tokenmill.encoder.inputs import EncoderInput, decoder_input
 from tokenmill.encoder.pooling_options import decoder_pooling, l2_normalize
+from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError, QueueFullError
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError
 
 if TYPE_CHECKING:
     from tokenmill.encoder.engine import EmbeddingEngine
-    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.engine.request_stream import RequestStream
 
 POOL = SamplingParams(max_tokens=1, temperature=0.0, pool=True)
 
@@ -58,20 +60,28 @@ class DecoderBackend:
         if classify:
             raise ValueError("this model has no classification head (not a cross-encoder)")
         batch = uuid.uuid4().hex
-        streams = [self.llm.add_request(f"embd-{batch}-{i}", {"prompt_token_ids": item.token_ids}, POOL)
-                   for i, item in enumerate(inputs)]
+        streams: list[RequestStream] = []
 
-        async def last(stream: object) -> list[float]:
+        async def last(stream: RequestStream) -> list[float]:
             final = None
-            async for output in stream:  # type: ignore[attr-defined]
+            async for output in stream:
                 final = output
             if final is None or final.pooled is None:
                 raise RuntimeError("the engine returned no embedding")
             return list(final.pooled)
 
         try:
+            for i, item in enumerate(inputs):
+                streams.append(self.llm.add_request(f"embd-{batch}-{i}", {"prompt_token_ids": item.token_ids},
+                                                    POOL))
             vectors = np.array(await asyncio.gather(*(last(s) for s in streams)), dtype=np.float32)
-        finally:
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), "rate_limit_exceeded", headers={"Retry-After": "1"}) from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "service_unavailable") from exc
+        except EngineStepError as exc:
+            raise APIError(500, str(exc), "internal_server_error") from exc
+        finally:  # a failed or cancelled request leaves none of its inputs behind
             for stream in streams:
                 stream.close()
         return l2_normalize(vectors) if self.normalize else vectors
