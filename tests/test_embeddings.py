@@ -114,6 +114,8 @@ def _write_bert_gguf(path: Path, directory: Path, model: Any) -> None:
     rank pooling)."""
     import gguf
 
+    from tests.test_families import _finish
+
     writer = gguf.GGUFWriter(str(path), "bert")
     config = model.config
     cross = hasattr(model, "classifier")
@@ -159,10 +161,7 @@ def _write_bert_gguf(path: Path, directory: Path, model: Any) -> None:
         wide = tensor.dim() == 2 and "embd" not in gguf_name and "cls" not in gguf_name
         array = tensor.numpy().astype(np.float16 if wide else np.float32)
         writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
 
 
 def test_a_bert_gguf_reads_as_its_hf_directory(tiny: dict[str, Any], tmp_path: Path) -> None:
