@@ -402,3 +402,13 @@ def test_a_decoder_serves_embeddings_through_its_engine_cores(tmp_path: Path) ->
         assert chat.status_code == 400 and "--task embed" in chat.json()["error"]["message"]
         bad = httpx.post(server.url + "/v1/embeddings", json={"input": ["w5", ""]})
         assert bad.status_code == 400
+
+
+def test_serve_refuses_what_an_encoder_server_cannot_do(tiny: dict[str, Any]) -> None:
+    import subprocess
+    import sys
+
+    path = str(tiny["bert"][0])
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", path, "--data-parallel-size", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--data-parallel-size" in done.stderr and "encoder" in done.stderr

@@ -131,6 +131,14 @@ def run_embedding_server(config: EngineConfig, host: str = "127.0.0.1", port: in
     import uvicorn
 
     options = options or ServerOptions()
+    unsupported = [flag for flag, used in (
+        ("--data-parallel-size", options.data_parallel_size > 1), ("--disaggregated", bool(options.disaggregated)),
+        ("--distributed-executor-backend ray", options.distributed_executor_backend == "ray"),
+        ("--enable-lora / --lora-modules", config.enable_lora or bool(options.lora_modules)),
+        ("--speculative-config", config.speculative_config is not None)) if used]
+    if unsupported:
+        raise ValueError(f"an encoder served for embeddings runs in the API process: {', '.join(unsupported)} "
+                         "do not apply to it")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     embedder = EmbeddingEngine(config)
