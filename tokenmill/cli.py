@@ -213,13 +213,13 @@ def _serve(args: argparse.Namespace) -> int:
         enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_dir=args.lora_dir,
         cache_salt_source=args.cache_salt_source,
     )
-    from tokenmill.encoder.config import is_encoder_model, resolve_task
+    from tokenmill.encoder.config import resolve_task
     from tokenmill.model.metadata import resolve_model_path
 
     config = engine_config_from_args(args)
-    path = resolve_model_path(config.model)
-    config = replace(config, task=resolve_task(path, config.task))
-    if config.task == "embed" and is_encoder_model(path):
+    task, encoder = resolve_task(resolve_model_path(config.model), config.task)
+    config = replace(config, task=task)
+    if encoder:
         from tokenmill.server.embedding_app import run_embedding_server
 
         return run_embedding_server(config, host=args.host, port=args.port, options=options,

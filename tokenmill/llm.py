@@ -10,7 +10,7 @@ from typing import Any, cast
 import numpy as np
 
 from tokenmill.config import EngineConfig
-from tokenmill.encoder.config import is_encoder_model, resolve_task
+from tokenmill.encoder.config import resolve_task
 from tokenmill.encoder.engine import EmbeddingEngine
 from tokenmill.encoder.inputs import decoder_input
 from tokenmill.encoder.pooling_options import decoder_pooling, l2_normalize, truncate_dimensions
@@ -41,10 +41,10 @@ class LLM:
             if unknown:
                 raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
             config = EngineConfig(model=model, **engine_args)
-        self.task = resolve_task(resolve_model_path(config.model), config.task)
+        self.task, encoder = resolve_task(resolve_model_path(config.model), config.task)
         # an encoder embeds in its own engine; a decoder (generating or embedding) runs in the LLM engine
         self.embedder: EmbeddingEngine | None = None
-        if self.task == "embed" and is_encoder_model(resolve_model_path(config.model)):
+        if encoder:
             self.embedder = EmbeddingEngine(config)
         else:
             self._engine = LLMEngine.from_config(config)

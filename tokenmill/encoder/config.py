@@ -54,19 +54,6 @@ class EncoderConfig:
         return self.num_labels > 0
 
 
-def is_encoder_model(path: str) -> bool:
-    """Whether `path` (a GGUF file or an HF directory) holds an encoder this package serves."""
-    if os.path.isdir(path):
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            return False
-        with open(config_path) as f:
-            return json.load(f).get("model_type") in ENCODER_HF_MODEL_TYPES
-    if path.endswith(".gguf"):
-        return GGUFFile(path).fields.get("general.architecture") in ENCODER_GGUF_ARCHITECTURES
-    return False
-
-
 def _sentence_transformers_pooling(path: str) -> tuple[Pooling | None, bool | None]:
     """(pooling, normalize) from sentence-transformers' modules.json and its Pooling module's config."""
     modules_path = os.path.join(path, "modules.json")
@@ -164,30 +151,42 @@ def gguf_encoder_config(reader: GGUFFile) -> EncoderConfig:
     )
 
 
-def read_encoder_config(path: str) -> EncoderConfig:
+def read_encoder_config(path: str, reader: GGUFFile | None = None) -> EncoderConfig:
+    """`reader`: the GGUF at `path` already opened (its header is read once per load)."""
     if os.path.isdir(path):
         return hf_encoder_config(path)
-    return gguf_encoder_config(GGUFFile(path))
+    return gguf_encoder_config(reader or GGUFFile(path))
 
 
-def is_decoder_embedding_model(path: str) -> bool:
-    """A decoder its file marks as an embedding model: a GGUF with last-token pooling (llama.cpp's converted
-    Qwen3-Embedding), or an HF directory whose sentence-transformers pooling takes the last token."""
+def embedding_kind(path: str) -> Literal["encoder", "decoder"] | None:
+    """What embeds at `path`, from one read of its header: "encoder" (an encoder this package serves),
+    "decoder" (a decoder its file marks as an embedding model: a GGUF with last-token pooling, as llama.cpp
+    converts Qwen3-Embedding, or an HF directory whose sentence-transformers pooling takes the last token), or
+    None (a generative model)."""
     if os.path.isdir(path):
-        return _sentence_transformers_pooling(path)[0] == "last"
+        config_path = os.path.join(path, "config.json")
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                if json.load(f).get("model_type") in ENCODER_HF_MODEL_TYPES:
+                    return "encoder"
+        return "decoder" if _sentence_transformers_pooling(path)[0] == "last" else None
     if path.endswith(".gguf"):
         fields = GGUFFile(path).fields
-        return int(fields.get(f"{fields.get('general.architecture')}.pooling_type", 0)) == 3
-    return False
+        arch = fields.get("general.architecture")
+        if arch in ENCODER_GGUF_ARCHITECTURES:
+            return "encoder"
+        return "decoder" if int(fields.get(f"{arch}.pooling_type", 0)) == 3 else None
+    return None
 
 
-def resolve_task(path: str, task: str) -> str:
-    """"generate" or "embed" for the model at `path`: "auto" is what the file is (an encoder, or a decoder its
-    file marks as an embedding model, embeds); an encoder cannot generate. A decoder embeds by last-token pooling
-    through the engine's scheduler (SamplingParams.pool)."""
-    encoder = is_encoder_model(path)
+def resolve_task(path: str, task: str) -> tuple[str, bool]:
+    """("generate" or "embed", whether an encoder serves it) for the model at `path`: "auto" is what the file is
+    (an encoder, or a decoder its file marks as an embedding model, embeds); an encoder cannot generate. A
+    decoder embeds by last-token pooling through the engine's scheduler (SamplingParams.pool)."""
+    kind = embedding_kind(path)
+    encoder = kind == "encoder"
     if task == "auto":
-        return "embed" if encoder or is_decoder_embedding_model(path) else "generate"
+        return ("embed" if kind is not None else "generate"), encoder
     if task == "generate" and encoder:
         raise ValueError(f"{path} is an embedding model: serve it with --task embed (LLM(task='embed'))")
-    return task
+    return task, encoder

@@ -9,6 +9,7 @@ them. Offline callers (`LLM(task="embed")`) call `embed` / `score`, which go thr
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ from tokenmill.encoder.model import EncoderModel
 from tokenmill.encoder.pooling_options import matryoshka_dimensions, pooler_options
 from tokenmill.encoder.tokenizer import EncoderTokenizer
 from tokenmill.encoder.weights import load_encoder_weights
+from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.metadata import resolve_model_path
 from tokenmill.platform import cpu_flags
 
@@ -60,16 +62,17 @@ class EmbeddingEngine:
         path = resolve_model_path(config.model)
         self.path = path
         options = pooler_options(config.pooler_config)
-        model_config = read_encoder_config(path)
+        reader = None if os.path.isdir(path) else GGUFFile(path)  # one header read for config, vocabulary, tensors
+        model_config = read_encoder_config(path, reader)
         model_config = replace(model_config, matryoshka_dimensions=matryoshka_dimensions(
             config.hf_overrides, model_config.hidden_size, model_config.matryoshka_dimensions))
         self.config: EncoderConfig = model_config
         self.pooling: Pooling = options.get("pooling_type", model_config.pooling)
         self.normalize: bool = options.get("normalize", model_config.normalize)
         self.quantization = resolve_encoder_quantization(config.quantization)
-        self.tokenizer = EncoderTokenizer.from_path(path)
+        self.tokenizer = EncoderTokenizer.from_path(path, reader)
         self.model = EncoderModel(model_config, self.quantization)
-        self.model.load_weights(load_encoder_weights(path))
+        self.model.load_weights(load_encoder_weights(path, reader))
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)

@@ -26,10 +26,10 @@ class EncoderTokenizer:
         self._tokenizer = tokenizer
 
     @classmethod
-    def from_path(cls, path: str) -> EncoderTokenizer:
+    def from_path(cls, path: str, reader: GGUFFile | None = None) -> EncoderTokenizer:
         if os.path.isdir(path):
             return cls(Tokenizer.from_file(os.path.join(path, "tokenizer.json")))
-        return cls(_from_gguf(GGUFFile(path)))
+        return cls(_from_gguf(reader or GGUFFile(path)))
 
     @property
     def vocab_size(self) -> int:

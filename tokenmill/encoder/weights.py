@@ -114,7 +114,7 @@ def load_gguf_weights(reader: GGUFFile) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_encoder_weights(path: str) -> dict[str, torch.Tensor]:
+def load_encoder_weights(path: str, reader: GGUFFile | None = None) -> dict[str, torch.Tensor]:
     if Path(path).is_dir():
         return load_hf_weights(path)
-    return load_gguf_weights(GGUFFile(path))
+    return load_gguf_weights(reader or GGUFFile(path))

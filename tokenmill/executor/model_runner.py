@@ -305,8 +305,8 @@ class ModelRunner:
         hidden, last_rows = self._forward(plan.scheduled)
         prompt_logprobs = {s.request_id: self._score_prompt(s, hidden, int(last)) for s, last in
                            zip(plan.scheduled, last_rows) if s.score_prompt and not s.padding}
-        pooled = {s.request_id: hidden[int(last_rows[i])].float().tolist() for i, s in
-                        enumerate(plan.scheduled) if s.sample and not s.padding and s.sampling_params.pool}
+        pooled = {s.request_id: hidden[int(last_rows[i])].float().tolist() for i, s in enumerate(plan.scheduled)
+                  if s.sample and not s.padding and s.sampling_params.pool}
         sampled = [(i, s) for i, s in enumerate(plan.scheduled)
                    if s.sample and not s.padding and not s.sampling_params.pool]
         if not sampled:

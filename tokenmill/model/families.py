@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import ModelConfig
+from tokenmill.encoder.config import ENCODER_GGUF_ARCHITECTURES, ENCODER_HF_MODEL_TYPES
 from tokenmill.model.rope_scaling import RopeScaling
 
 
@@ -39,8 +40,6 @@ FAMILIES = (
 )
 SUPPORTED_HF_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.hf_model_types)
 SUPPORTED_GGUF_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.gguf_architectures)
-# encoders (tokenmill/encoder/), served by the embedding engine, not as decoders
-ENCODER_MODEL_TYPES = ("bert", "nomic_bert", "nomic-bert")
 
 # Gemma 3: every 6th layer attends the whole context, the others a window, rotating with base 10,000 (both
 # transformers' Gemma3TextConfig defaults and llama.cpp's hard-coded values; GGUF files carry neither).
@@ -59,7 +58,7 @@ def family_of_model_type(model_type: str) -> Family:
     for family in FAMILIES:
         if model_type in family.hf_model_types:
             return family
-    if model_type in ENCODER_MODEL_TYPES:
+    if model_type in ENCODER_HF_MODEL_TYPES:  # served by the embedding engine, not as decoders
         raise ValueError(f"model_type {model_type!r} is an embedding model: serve it with --task embed "
                          "(LLM(task='embed'))")
     raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_HF_MODEL_TYPES)})")
@@ -69,7 +68,7 @@ def family_of_architecture(arch: str) -> Family:
     for family in FAMILIES:
         if arch in family.gguf_architectures:
             return family
-    if arch in ENCODER_MODEL_TYPES:
+    if arch in ENCODER_GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is an embedding model: serve it with --task embed "
                          "(LLM(task='embed'))")
     raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})")
