@@ -13,7 +13,13 @@ from tokenmill.config import EngineConfig
 from tokenmill.encoder.config import resolve_task
 from tokenmill.encoder.engine import EmbeddingEngine
 from tokenmill.encoder.inputs import decoder_input
-from tokenmill.encoder.pooling_options import decoder_pooling, l2_normalize, truncate_dimensions
+from tokenmill.encoder.pooling_options import (
+    cosine_scores,
+    cross_encoder_scores,
+    decoder_pooling,
+    l2_normalize,
+    truncate_dimensions,
+)
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.metadata import resolve_model_path
@@ -97,13 +103,14 @@ class LLM:
         """How relevant each of `text_2` is to `text_1` (vLLM's LLM.score): a cross-encoder's score, else the
         cosine similarity of the embeddings."""
         documents = [text_2] if isinstance(text_2, str) else list(text_2)
-        if self.embedder is not None:
-            scores = self.embedder.score(text_1, documents, truncate_prompt_tokens)
+        embedder = self.embedder
+        if embedder is not None and embedder.config.is_cross_encoder:
+            pairs = [embedder.make_input(text_1, d, truncate_prompt_tokens) for d in documents]
+            scores = cross_encoder_scores(embedder.submit(pairs, classify=True).result().numpy())
         else:
             vectors = np.array([o.outputs.embedding for o in self.embed([text_1, *documents],
                                                                          truncate_prompt_tokens)])
-            vectors = l2_normalize(vectors)
-            scores = (vectors[1:] @ vectors[0]).tolist()
+            scores = cosine_scores(vectors[:1], vectors[1:])
         return [ScoringRequestOutput(f"score-{i}", ScoringOutput(s)) for i, s in enumerate(scores)]
 
     @property

@@ -132,17 +132,6 @@ class EmbeddingEngine:
         return self.submit([self.make_input(t, truncate_prompt_tokens=truncate_prompt_tokens)
                             for t in texts]).result()
 
-    def score(self, query: str, documents: Sequence[str], truncate_prompt_tokens: int | None = None
-              ) -> list[float]:
-        """Relevance of each document to the query: a cross-encoder's score (sigmoid of its logit) over the pair,
-        or the cosine similarity of their embeddings."""
-        if self.config.is_cross_encoder:
-            logits = self.submit([self.make_input(query, d, truncate_prompt_tokens) for d in documents],
-                                 classify=True).result()
-            return torch.sigmoid(logits[:, 0]).tolist()
-        vectors = F.normalize(self.embed([query, *documents], truncate_prompt_tokens), dim=-1)
-        return (vectors[1:] @ vectors[0]).tolist()
-
     def _run(self) -> None:
         pending: list[EmbedJob] = []
         while True:

@@ -48,6 +48,17 @@ def l2_normalize(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
 
 
+def cross_encoder_scores(logits: np.ndarray) -> list[float]:
+    """A cross-encoder's relevance per pair: the sigmoid of its first label's logit (sentence-transformers'
+    one-label default, vLLM's score)."""
+    return (1 / (1 + np.exp(-logits[:, 0]))).tolist()
+
+
+def cosine_scores(queries: np.ndarray, documents: np.ndarray) -> list[float]:
+    """Cosine similarity of queries[i] and documents[i] (a single query row broadcasts over the documents)."""
+    return (l2_normalize(queries) * l2_normalize(documents)).sum(-1).tolist()
+
+
 def truncate_dimensions(vectors: np.ndarray, dimensions: int | None, allowed: tuple[int, ...] | None,
                         normalize: bool) -> np.ndarray:
     """Matryoshka: the first `dimensions` components, renormalised. ValueError where the model was not trained

@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenmill.encoder.inputs import EncoderInput
-from tokenmill.encoder.pooling_options import l2_normalize, truncate_dimensions
+from tokenmill.encoder.pooling_options import cosine_scores, cross_encoder_scores, truncate_dimensions
 from tokenmill.server.errors import APIError
 from tokenmill.server.task_routes import refuse_generation
 
@@ -134,13 +134,12 @@ class EmbeddingServing:
         if self.backend.cross_encoder:
             inputs = self.inputs(list(queries), documents, truncate)
             logits = await self.run(inputs, classify=True)
-            return (1 / (1 + np.exp(-logits[:, 0]))).tolist(), sum(len(i.token_ids) for i in inputs)
-        distinct = list(dict.fromkeys(queries))  # one query against many documents embeds it once
-        inputs = self.inputs([*distinct, *documents], truncate=truncate)
-        vectors = l2_normalize(await self.run(inputs))
-        query_rows = vectors[[distinct.index(q) for q in queries]]
-        scores = (query_rows * vectors[len(distinct):]).sum(-1)
-        return scores.tolist(), sum(len(i.token_ids) for i in inputs)
+            return cross_encoder_scores(logits), sum(len(i.token_ids) for i in inputs)
+        row = {q: i for i, q in enumerate(dict.fromkeys(queries))}  # one query against many documents: embedded once
+        inputs = self.inputs([*row, *documents], truncate=truncate)
+        vectors = await self.run(inputs)
+        scores = cosine_scores(vectors[[row[q] for q in queries]], vectors[len(row):])
+        return scores, sum(len(i.token_ids) for i in inputs)
 
     async def rerank(self, body: RerankRequest) -> dict[str, Any]:
         documents = [d if isinstance(d, str) else d.text for d in body.documents]
