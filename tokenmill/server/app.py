@@ -118,6 +118,46 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
+def error_for(request: Request, status: int, message: str, err_type: str = "invalid_request_error",
+              param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error in the shape of the API the request called."""
+    if request.url.path.startswith(ANTHROPIC_PATH):
+        return JSONResponse(anthropic_error_body(message, err_type), status_code=status, headers=headers)
+    return error_response(status, message, err_type, param, headers)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Validation errors, APIError and HTTP errors answered in each API's own error shape (400 for bad input)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_for(request, 400, message, param=param)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_for(request, exc.status, exc.message, exc.err_type, exc.param, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_for(request, exc.status_code, str(exc.detail), err_type)
+
+
+def api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that refuses a request without the key (None: every request passes)."""
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        # OpenAI clients send a bearer token, Anthropic clients x-api-key
+        if request.headers.get("authorization", "") != f"Bearer {api_key}" and \
+                request.headers.get("x-api-key") != api_key:
+            raise APIError(401, "invalid or missing API key", "authentication_error")
+
+    return check_api_key
+
+
 class ClientDisconnected(Exception):
     pass
 
@@ -172,7 +212,6 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     """The API over a front end (an engine built in this process is served by one core stepping in a thread)."""
     options = options or ServerOptions()
     state = state or ServerState()
-    api_key = options.api_key
     if not isinstance(llm, AsyncLLM):
         llm = AsyncLLM.from_engine(llm)
     model_name = options.served_model_name or default_model_name(llm.config)
@@ -225,34 +264,8 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     app.state.server_state = state
     app.add_middleware(RequestGate, state=state, max_body_bytes=options.max_request_body_bytes)
 
-    def error_for(request: Request, status: int, message: str, err_type: str = "invalid_request_error",
-                  param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-        """The error in the shape of the API the request called."""
-        if request.url.path.startswith(ANTHROPIC_PATH):
-            return JSONResponse(anthropic_error_body(message, err_type), status_code=status, headers=headers)
-        return error_response(status, message, err_type, param, headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc)
-        return error_for(request, 400, message, param=param)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_for(request, exc.status, exc.message, exc.err_type, exc.param, exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_for(request, exc.status_code, str(exc.detail), err_type)
-
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        # OpenAI clients send a bearer token, Anthropic clients x-api-key
-        if request.headers.get("authorization", "") != f"Bearer {api_key}" and \
-                request.headers.get("x-api-key") != api_key:
-            raise APIError(401, "invalid or missing API key", "authentication_error")
+    add_error_handlers(app)
+    check_api_key = api_key_check(options.api_key)
 
     def check_model(requested: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for one nobody serves."""

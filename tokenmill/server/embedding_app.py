@@ -10,17 +10,21 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from pydantic import BaseModel, ConfigDict
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.config import EngineConfig
 from tokenmill.encoder.engine import EmbeddingEngine
-from tokenmill.server.app import ServerOptions, default_model_name, error_response, validation_message
+from tokenmill.server.app import (
+    ServerOptions,
+    add_error_handlers,
+    api_key_check,
+    default_model_name,
+    error_response,
+)
 from tokenmill.server.embedding_backends import EncoderBackend
 from tokenmill.server.embeddings_api import EmbeddingServing, add_embedding_routes
 from tokenmill.server.errors import APIError
@@ -61,7 +65,6 @@ def build_embedding_app(embedder: EmbeddingEngine, options: ServerOptions | None
     options = options or ServerOptions()
     state = state or ServerState()
     name = options.served_model_name or model_name or default_model_name(EngineConfig(model=embedder.path))
-    api_key = options.api_key
     registry = CollectorRegistry()
     registry.register(_EmbeddingCollector(embedder, name))  # type: ignore[arg-type]
 
@@ -76,24 +79,8 @@ def build_embedding_app(embedder: EmbeddingEngine, options: ServerOptions | None
     app.state.server_state = state
     app.add_middleware(RequestGate, state=state, max_body_bytes=options.max_request_body_bytes)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc)
-        return error_response(400, message, param=param)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.err_type, exc.param, exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), err_type)
-
-    async def check_api_key(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}" \
-                and request.headers.get("x-api-key") != api_key:
-            raise APIError(401, "invalid or missing API key", "authentication_error")
+    add_error_handlers(app)
+    check_api_key = api_key_check(options.api_key)
 
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != name:
