@@ -12,7 +12,9 @@ import pytest
 
 from tokenmill.bench.server_process import live_server
 from tokenmill.model.tokenizer import Tokenizer
-from tokenmill.server.tools import ToolCallStreamer, format_call, parse_tool_calls, prepare_conversation
+from tokenmill.server.tools import prepare_conversation
+from tokenmill.tool_parsers import ToolCallStreamer
+from tokenmill.tool_parsers.hermes import HermesParser
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -159,47 +161,17 @@ def test_auto_tool_choice_needs_the_flags(base_url: str) -> None:  # the shared 
 # ------------------------------------------------------------------ the parser and the prompt
 
 
-def test_streamed_pieces_assemble_to_the_whole_parse() -> None:
-    text = ("Let me check. " + format_call("get_weather", '{"city": "Paris \\"centre\\"", "unit": "celsius"}')
-            + "\n" + format_call("get_time", '{"timezone": "Asia/Tokyo"}'))
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me check." and [c.name for c in calls] == ["get_weather", "get_time"]
-    for step in (1, 3, 7):
-        streamer = ToolCallStreamer()
-        streamed_content, streamed = "", {}
-        pieces = [text[i:i + step] for i in range(0, len(text), step)]
-        for i, piece in enumerate(pieces):
-            delta_content, deltas = streamer.feed(piece, final=i == len(pieces) - 1)
-            streamed_content += delta_content
-            for delta in deltas:
-                call = streamed.setdefault(delta["index"], {"arguments": ""})
-                call.update({k: v for k, v in delta["function"].items() if k == "name"})
-                call["arguments"] += delta["function"]["arguments"]
-        assert streamed_content.strip() == content
-        assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [
-            (c.name, json.loads(c.arguments)) for c in calls]
-    # a block that is not a call stays content; a block cut short after complete calls is dropped
-    assert parse_tool_calls("<tool_call>\n{broken}\n</tool_call>") == ("<tool_call>\n{broken}\n</tool_call>", [])
-    assert parse_tool_calls("<tool_call>\n{\"name\": \"f\"") == ("<tool_call>\n{\"name\": \"f\"", [])
-    content, cut = parse_tool_calls(text + "\n<tool_call>\n{\"name\": \"get_ti")
-    assert content == "Let me check." and [c.to_openai()["function"] for c in cut] == [
-        c.to_openai()["function"] for c in calls]
-    streamer = ToolCallStreamer()
-    assert streamer.feed("a <tool_") == ("a ", [])
-    assert streamer.feed("maybe", final=True) == ("<tool_maybe", [])
-
-
 def test_tools_and_tool_results_reach_a_template_that_knows_no_tools(tokenizer: Tokenizer) -> None:
     messages = ASK + [
         {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18 degrees"}]
     tools = [WEATHER["function"], TIME["function"]]
-    rendered, extra = prepare_conversation(messages, tools, tokenizer.chat_template)
+    rendered, extra = prepare_conversation(messages, tools, tokenizer.chat_template, HermesParser(tools))
     text = tokenizer.apply_chat_template(rendered, **extra)
     assert "<tools>" in text and '"get_time"' in text
-    assert format_call("get_weather", '{"city": "Paris", "unit": "celsius"}') in text
+    assert HermesParser().format_call("get_weather", '{"city": "Paris", "unit": "celsius"}') in text
     assert "<|im_start|>tool\n18 degrees<|im_end|>" in text
     # a template that reads `tools` gets them itself, untouched
-    _, extra = prepare_conversation(messages, tools, "{{ tools }}{% for m in messages %}{% endfor %}")
+    _, extra = prepare_conversation(messages, tools, "{{ tools }}{% for m in messages %}{% endfor %}", HermesParser())
     assert extra == {"tools": [{"type": "function", "function": t} for t in tools]}

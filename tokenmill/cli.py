@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.tool_parsers import PARSERS
+
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
@@ -206,6 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout, enable_log_requests=args.enable_log_requests,
         disable_log_stats=args.disable_log_stats, disable_access_log=args.disable_uvicorn_access_log,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        tool_call_parser_strict=args.tool_call_parser_strict,
         step_trace=args.step_trace, data_parallel_size=args.data_parallel_size, router=args.router,
         distributed_executor_backend=args.distributed_executor_backend, disaggregated=args.disaggregated,
         kv_transport=args.kv_transport, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
@@ -310,8 +313,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="append one JSON line per model step (its time and shape) for tokenmill sim calibrate")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto": parse tool calls the model writes (needs --tool-call-parser)')
-    serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
-                       help="the format of the model's tool calls (hermes: <tool_call>{...}</tool_call>)")
+    serve.add_argument("--tool-call-parser", choices=["auto", *PARSERS], default=None,
+                       help="the format of the model's tool calls, by family (hermes: <tool_call>{...}</tool_call>, "
+                            "Qwen2.5/3; llama3_json; mistral; qwen3_coder; pythonic; deepseek_v3); auto: the one "
+                            "the chat template writes (also what forced calls use when this flag is not given)")
+    serve.add_argument("--tool-call-parser-strict", action="store_true",
+                       help="read only the format's exact form (hermes: no tagless or fenced JSON calls)")
     serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="GET /tokenizer_info: the special tokens and chat template (lm-evaluation-harness's "
                             "remote tokenizer reads it)")

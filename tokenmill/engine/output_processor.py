@@ -147,8 +147,12 @@ class OutputProcessor:
                 entry = out.new_logprobs[i]
                 child.logprobs.append(entry)
                 child.cumulative_logprob = (child.cumulative_logprob or 0.0) + entry[token]
-            delta = child.detokenizer.add_tokens([token])
             last = i == len(out.new_token_ids) - 1
+            # as vLLM: the token that stopped the request (EOS, a stop token id) is not part of the text, even
+            # where special tokens are kept (tool-call markers)
+            ended_by = last and out.finish_reason == "stop" and not params.include_stop_str_in_output and (
+                token == out.stop_reason or (token in child.request.eos_token_ids and not params.ignore_eos))
+            delta = "" if ended_by else child.detokenizer.add_tokens([token])
             if last and out.finish_reason is not None:
                 delta += child.detokenizer.finish()
             previous_len = len(child.text)

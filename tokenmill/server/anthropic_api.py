@@ -16,8 +16,9 @@ from tokenmill.reasoning import ReasoningParser
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.output_parts import OutputSplitter, Part, PartEvents, split_output
-from tokenmill.server.serving import Serving, params_or_400, tool_constraint
+from tokenmill.server.serving import Serving, params_or_400
 from tokenmill.structured_output.params import StructuredOutputsParams
+from tokenmill.tool_parsers import ToolParser
 
 ANTHROPIC_PATH = "/v1/messages"
 
@@ -218,19 +219,19 @@ class MessagesBuilder(PartEvents):
     """A Message body, or its stream: message_start, then each content block's start / deltas / stop, then
     message_delta (stop_reason, usage) and message_stop."""
 
-    def __init__(self, model: str, prompt_tokens: int, tool_mode: str, stop_sequences: list[str],
+    def __init__(self, model: str, prompt_tokens: int, tools: ToolParser | None, stop_sequences: list[str],
                  reasoning: ReasoningParser | None = None) -> None:
         self.response_id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self.prompt_tokens = prompt_tokens
-        self.tool_mode = tool_mode
+        self.tools = tools  # the output's call parser (None: tool mode none)
         self.stop_sequences = stop_sequences
         self.text = ""
         self.output_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.reasoning = reasoning  # the <think> block becomes a thinking block in front of the answer
-        self.parts = OutputSplitter(reasoning, tool_mode != "none")
+        self.parts = OutputSplitter(reasoning, tools)
         self.blocks = 0  # content blocks started
         self.open_block: str | None = None  # "text" or "tool_use"
         self.called = False
@@ -255,7 +256,7 @@ class MessagesBuilder(PartEvents):
         return {"input_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}
 
     def final(self) -> dict[str, Any]:
-        thinking, text, calls = split_output(self.text, self.reasoning, self.tool_mode != "none")
+        thinking, text, calls = split_output(self.text, self.reasoning, self.tools)
         self.called = bool(calls)
         content = [{"type": "tool_use", "id": _tool_use_id(), "name": c.name, "input": json.loads(c.arguments)}
                    for c in calls]
@@ -342,10 +343,10 @@ def add_messages_routes(app: FastAPI, serving: Serving) -> None:
         choice = body.tool_choice
         named = choice.name if choice is not None and choice.type == "tool" else None
         parallel = not (choice is not None and choice.disable_parallel_tool_use)
-        params = params_or_400(lambda: body.sampling_params(tool_constraint(tool_mode, tools, named, parallel,
-                                                                            body.constraint())))
+        params = serving.with_tools(params_or_400(lambda: body.sampling_params(serving.tool_constraint(
+            tool_mode, tools, named, parallel, body.constraint()))), tool_mode)
         prompt_ids = prompt_of(body)
-        builder = MessagesBuilder(serving.served_name(lora), len(prompt_ids), tool_mode,
+        builder = MessagesBuilder(serving.served_name(lora), len(prompt_ids), serving.parser_for(tool_mode, tools),
                                   list(body.stop_sequences or []), serving.reasoning)
         return await serving.serve(builder, [{"prompt_token_ids": prompt_ids}], params, 0, body.stream, http_request,
                                    lora)

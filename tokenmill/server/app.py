@@ -41,10 +41,10 @@ from tokenmill.server.middleware import RequestGate, ServerState, error_body
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.responses import ResponseBuilder, StreamBuilder
 from tokenmill.server.responses_api import DEFAULT_STORE_SIZE, ResponseStore, add_responses_routes
-from tokenmill.server.serving import Serving, params_or_400, tool_constraint
+from tokenmill.server.serving import Serving, params_or_400
 from tokenmill.server.task_routes import refuse_embeddings
 from tokenmill.server.tokenizer_api import add_tokenizer_routes
-from tokenmill.server.tools import prepare_conversation
+from tokenmill.server.tools import marker_tokens, prepare_conversation, resolve_parser
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm_engine import LLMEngine
@@ -68,9 +68,11 @@ class ServerOptions:
     log_stats_interval: float = field(
         default_factory=lambda: float(os.environ.get("TOKENMILL_LOG_STATS_INTERVAL", DEFAULT_INTERVAL_S)))
     disable_access_log: bool = False
-    # tool_choice "auto": parse the model's own tool calls (vLLM's flags; the parser reads Hermes blocks)
+    # tool_choice "auto": parse the model's own tool calls (vLLM's flags; tokenmill/tool_parsers, or "auto": the
+    # chat template's format)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    tool_call_parser_strict: bool = False  # no lenient reading of loose calls (Qwen2.5's tagless JSON)
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info: special tokens and the chat template
     responses_store_size: int = DEFAULT_STORE_SIZE  # Responses API: stored responses (LRU) for previous_response_id
     step_trace: str | None = None  # a file for one JSON line per model step (tokenmill sim calibrate reads it)
@@ -377,15 +379,19 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     def encode_chat(conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]],
                     add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
         try:
-            messages, template_vars = prepare_conversation(conversation, tools, tokenizer.chat_template)
+            messages, template_vars = prepare_conversation(conversation, tools, tokenizer.chat_template,
+                                                           tool_parser(tools))
             return tokenizer.encode_chat(messages, add_generation_prompt, add_special_tokens=add_special_tokens,
                                          **template_vars)
         except Exception as exc:  # a template that rejects the conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
 
+    tool_parser = resolve_parser(options.tool_call_parser, tokenizer.chat_template)
+    spell, keep_special_tokens = marker_tokens(tokenizer, tool_parser)
     serving = Serving(model_name, tokenizer, llm.max_model_len, serve, encode_chat,
                       options.enable_auto_tool_choice and options.tool_call_parser is not None, check_api_key,
-                      check_model, reasoning_parser(llm.config.reasoning_parser))
+                      check_model, reasoning_parser(llm.config.reasoning_parser), tool_parser,
+                      options.tool_call_parser_strict, spell, keep_special_tokens)
     add_tokenizer_routes(app, serving, options.enable_tokenizer_info_endpoint)
     if loras is not None and options.enable_runtime_lora_updating:
         add_lora_routes(app, loras, check_api_key)
@@ -401,12 +407,14 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         serving.check_tool_mode(tool_mode)
         tools = body.tool_definitions()
         named = body.tool_choice.function.name if tool_mode == "named" else None  # type: ignore[union-attr]
-        params = params_or_400(lambda: body.sampling_params(max_tokens, top if body.logprobs else None, tool_constraint(
-            tool_mode, tools, named, body.parallel_tool_calls, body.constraint())))
+        params = serving.with_tools(params_or_400(lambda: body.sampling_params(
+            max_tokens, top if body.logprobs else None, serving.tool_constraint(
+                tool_mode, tools, named, body.parallel_tool_calls, body.constraint()))), tool_mode)
         prompt_ids = encode_chat(body.conversation(), tools, body.add_generation_prompt)
         builder = ResponseBuilder("chat", serving.served_name(lora), tokenizer, 1, params.n,
                                   logprobs=top if body.logprobs else None, request_id=http_request.state.request_id,
-                                  tool_mode=tool_mode, reasoning=serving.reasoning)
+                                  tool_mode=tool_mode, tool_parser=serving.parser_for(tool_mode, tools),
+                                  reasoning=serving.reasoning)
         builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         http_request.state.cache_salt = body.cache_salt
         return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,

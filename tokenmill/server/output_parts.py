@@ -8,7 +8,7 @@ from typing import Literal
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.reasoning import ReasoningParser, ReasoningStreamer
-from tokenmill.server.tools import ToolCall, ToolCallStreamer, parse_tool_calls
+from tokenmill.tool_parsers import ToolCall, ToolCallStreamer, ToolParser
 
 
 @dataclass
@@ -21,24 +21,24 @@ class Part:
 
 
 def split_output(text: str, reasoning: ReasoningParser | None,
-                 tools: bool) -> tuple[str | None, str | None, list[ToolCall]]:
+                 tools: ToolParser | None) -> tuple[str | None, str | None, list[ToolCall]]:
     """(reasoning or None, the answer's text or None, its tool calls) of a whole output."""
     thought = None
     answer: str | None = text
     if reasoning is not None:
         thought, answer = reasoning.split(text)
     calls: list[ToolCall] = []
-    if tools:
-        answer, calls = parse_tool_calls(answer or "")
+    if tools is not None:
+        answer, calls = tools.parse(answer or "")
     return thought, answer, calls
 
 
 class OutputSplitter:
     """The parts of an output, delta by delta, in order (what may still be a tag is held back until known)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: bool) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
         self.thoughts = ReasoningStreamer(reasoning) if reasoning is not None else None
-        self.calls = ToolCallStreamer() if tools else None
+        self.calls = ToolCallStreamer(tools) if tools is not None else None
 
     @property
     def called(self) -> bool:

@@ -14,7 +14,7 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.reasoning import ReasoningParser, ReasoningStreamer
 from tokenmill.server.errors import APIError
 from tokenmill.server.middleware import error_body
-from tokenmill.server.tools import ToolCallStreamer, parse_tool_calls
+from tokenmill.tool_parsers import ToolCallStreamer, ToolParser
 
 
 @dataclass
@@ -64,6 +64,7 @@ def sse_data(payload: dict[str, Any]) -> str:
 class ResponseBuilder:
     def __init__(self, kind: Literal["completion", "chat"], model: str, tokenizer: Tokenizer, num_prompts: int,
                  n: int, logprobs: int | None, request_id: str | None = None, tool_mode: str = "none",
+                 tool_parser: ToolParser | None = None,
                  echo: bool = False, drop_generated: bool = False, prompt_logprobs: int | None = None,
                  reasoning: ReasoningParser | None = None) -> None:
         self.kind = kind
@@ -75,6 +76,7 @@ class ResponseBuilder:
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field in each choice
         # auto / required / named: the output may hold tool calls (none: it is all content)
         self.tool_mode = tool_mode
+        self.tool_parser = tool_parser  # reads the calls in the output (None: tool mode none)
         self.model = model
         self.tokenizer = tokenizer
         self.n = n
@@ -82,7 +84,7 @@ class ResponseBuilder:
         # vLLM's rule: the id is the client's X-Request-Id when it sends one
         self.response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
-        self.choices = [ChoiceState(tool_calls=ToolCallStreamer() if tool_mode != "none" else None,
+        self.choices = [ChoiceState(tool_calls=ToolCallStreamer(tool_parser) if tool_parser is not None else None,
                                     reasoning=ReasoningStreamer(reasoning) if reasoning is not None else None)
                         for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
@@ -213,8 +215,8 @@ class ResponseBuilder:
                     message["reasoning_content"], answer = self.reasoning.split(state.text)
                     message["content"] = answer
                 finish_reason = state.finish_reason
-                if self.tool_mode != "none":
-                    content, calls = parse_tool_calls(answer)
+                if self.tool_parser is not None:
+                    content, calls = self.tool_parser.parse(answer)
                     if calls:
                         message.update(content=content, tool_calls=[c.to_openai() for c in calls])
                         finish_reason = self._finish_reason(finish_reason, True)

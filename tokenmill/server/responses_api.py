@@ -22,8 +22,9 @@ from tokenmill.reasoning import ReasoningParser
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.output_parts import OutputSplitter, Part, PartEvents, split_output
-from tokenmill.server.serving import Serving, params_or_400, tool_constraint
+from tokenmill.server.serving import Serving, params_or_400
 from tokenmill.structured_output.params import StructuredOutputsParams
+from tokenmill.tool_parsers import ToolParser
 
 DEFAULT_STORE_SIZE = 1000  # responses kept for previous_response_id
 
@@ -228,14 +229,15 @@ class ResponsesBuilder(PartEvents):
     """A Response object, or its stream of typed events (each with its sequence number)."""
 
     def __init__(self, body: ResponsesRequest, model: str, conversation: list[dict[str, Any]], prompt_tokens: int,
-                 store: ResponseStore | None, reasoning: ReasoningParser | None = None) -> None:
+                 store: ResponseStore | None, tools: ToolParser | None = None,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.request = body
         self.response_id = _new_id("resp")
         self.model = model
         self.conversation = conversation
         self.prompt_tokens = prompt_tokens
         self.store = store
-        self.tool_mode = body.tool_mode
+        self.tools = tools  # the output's call parser (None: tool mode none)
         self.created_at = int(time.time())
         self.text = ""
         self.output_tokens = 0
@@ -243,7 +245,7 @@ class ResponsesBuilder(PartEvents):
         self.finish_reason: str | None = None
         self.sequence = 0
         self.reasoning = reasoning  # the <think> block becomes a reasoning item in front of the answer
-        self.parts = OutputSplitter(reasoning, self.tool_mode != "none")
+        self.parts = OutputSplitter(reasoning, tools)
         self.items: list[dict[str, Any]] = []  # streamed output items, in order
         self.open_item: dict[str, Any] | None = None
 
@@ -306,7 +308,7 @@ class ResponsesBuilder(PartEvents):
         return body
 
     def final(self) -> dict[str, Any]:
-        thought, text, calls = split_output(self.text, self.reasoning, self.tool_mode != "none")
+        thought, text, calls = split_output(self.text, self.reasoning, self.tools)
         output = [] if thought is None else [self._reasoning(_new_id("rs"), thought)]
         if text or not (calls or output):
             output.append(self._message(_new_id("msg"), text or ""))
@@ -411,15 +413,15 @@ def add_responses_routes(app: FastAPI, serving: Serving, store: ResponseStore) -
         serving.check_tool_mode(tool_mode)
         tools = body.tool_definitions()
         named = body.tool_choice.name if isinstance(body.tool_choice, NamedFunction) else None
-        params = params_or_400(lambda: body.sampling_params(
-            tool_constraint(tool_mode, tools, named, body.parallel_tool_calls, body.constraint())))
+        params = serving.with_tools(params_or_400(lambda: body.sampling_params(serving.tool_constraint(
+            tool_mode, tools, named, body.parallel_tool_calls, body.constraint()))), tool_mode)
         history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
         conversation = [*history, *body.conversation()]
         # instructions belong to this turn: a continued response does not carry earlier ones (OpenAI's rule)
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         prompt_ids = serving.encode_chat([*instructions, *conversation], tools)
         builder = ResponsesBuilder(body, serving.served_name(lora), conversation, len(prompt_ids), store,
-                                   serving.reasoning)
+                                   serving.parser_for(tool_mode, tools), serving.reasoning)
         return await serving.serve(builder, [{"prompt_token_ids": prompt_ids}], params, 0, body.stream, http_request,
                                    lora)
 

@@ -19,6 +19,9 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.responses import StreamBuilder
 from tokenmill.server.tools import forced_call_constraint
 from tokenmill.structured_output.params import StructuredOutputsParams
+from tokenmill.tool_parsers import Spell, ToolParser
+from tokenmill.tool_parsers.base import quoted
+from tokenmill.tool_parsers.hermes import HermesParser
 
 # (builder, prompts, params, priority, stream, the HTTP request, the adapter or None) -> the response
 ServeFn = Callable[[StreamBuilder, list[Any], SamplingParams, int, bool, Request, LoRARequest | None],
@@ -39,6 +42,11 @@ class Serving:
     # a request's `model` -> the adapter it names (None: the base model); APIError 404 for an unknown one
     check_model: Callable[[str | None], LoRARequest | None]
     reasoning: ReasoningParser | None = None  # --reasoning-parser: the <think> block is split from the answer
+    tool_parser: type[ToolParser] = HermesParser  # --tool-call-parser (or the chat template's format)
+    strict_tool_calls: bool = False  # --tool-call-parser-strict: no lenient reading of loose calls
+    spell: Spell = quoted  # how forced-call grammars name the parser's markers for this tokenizer
+    # the parser's markers are special tokens of this tokenizer: outputs that may hold calls keep them
+    keep_special_tokens: bool = False
 
     def served_name(self, lora: LoRARequest | None) -> str:
         """The `model` a response reports: the adapter's name when one ran."""
@@ -50,14 +58,25 @@ class Serving:
                                 'set', param=param)
 
 
-def tool_constraint(tool_mode: str, tools: Sequence[dict[str, Any]], named: str | None, parallel: bool,
-                    requested: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
-    """The grammar of a forced call (tool mode required or named), or the request's own constraint."""
-    if tool_mode not in ("required", "named"):
-        return requested
-    if requested is not None:
-        raise ValueError("a forced tool call cannot be combined with another structured outputs constraint")
-    return forced_call_constraint(tools, named if tool_mode == "named" else None, parallel)
+    def parser_for(self, tool_mode: str, tools: Sequence[dict[str, Any]]) -> ToolParser | None:
+        """The parser of a request's output: None when it cannot hold calls (tool mode none)."""
+        return None if tool_mode == "none" else self.tool_parser(tools, lenient=not self.strict_tool_calls)
+
+    def tool_constraint(self, tool_mode: str, tools: Sequence[dict[str, Any]], named: str | None, parallel: bool,
+                        requested: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """The grammar of a forced call (tool mode required or named), or the request's own constraint."""
+        if tool_mode not in ("required", "named"):
+            return requested
+        if requested is not None:
+            raise ValueError("a forced tool call cannot be combined with another structured outputs constraint")
+        return forced_call_constraint(self.tool_parser(tools), tools, named if tool_mode == "named" else None,
+                                      parallel, self.spell)
+
+    def with_tools(self, params: SamplingParams, tool_mode: str) -> SamplingParams:
+        """The request's parameters, keeping special tokens in the text where they mark calls."""
+        if tool_mode != "none" and self.keep_special_tokens:
+            params.skip_special_tokens = False
+        return params
 
 
 def params_or_400(make: Callable[[], SamplingParams]) -> SamplingParams:
