@@ -144,9 +144,13 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora_request: LoRARequest | None = None,
+             tools: Sequence[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """`tools` (vLLM's: OpenAI tool definitions) go to the chat template, which lists them to the model."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in conversations]  # type: ignore[arg-type]
+        extra = {"tools": list(tools)} if tools else {}
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c, **extra)}  # type: ignore[arg-type]
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -4,6 +4,8 @@ family's own call format."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +23,8 @@ def prepare_conversation(messages: list[dict[str, Any]], tools: Sequence[dict[st
     tool-use templates do) gets them as it expects; for one that does not, the tool list joins the system message
     and earlier calls become the parser's call text in the assistant's content, so the model sees both."""
     if "tools" in template:
-        return messages, ({"tools": [{"type": "function", "function": t} for t in tools]} if tools else {})
+        return ([_arguments_as_objects(m) for m in messages],
+                {"tools": [{"type": "function", "function": t} for t in tools]} if tools else {})
     out = []
     for message in messages:
         calls = message.get("tool_calls")
@@ -37,6 +40,23 @@ def prepare_conversation(messages: list[dict[str, Any]], tools: Sequence[dict[st
         else:
             out.insert(0, {"role": "system", "content": instructions})
     return out, {}
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier calls with their arguments as objects, not JSON text: tool-use templates write
+    them with `tojson` or walk their items (vLLM hands them over the same way)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):
+                function = {**function, "arguments": json.loads(arguments)}
+        parsed.append({**call, "function": function})
+    return {**message, "tool_calls": parsed}
 
 
 def forced_call_constraint(parser: ToolParser, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool,
