@@ -227,3 +227,47 @@ def test_lora_adapter_matches_peft(real: Path, hf: tuple[Any, Any], tmp_path: Pa
         reference.unload()  # the module's transformers model serves the other tests without the adapter
     assert ours == theirs
     assert ours != base
+
+
+def test_qwen_tool_calls_with_the_openai_client() -> None:
+    """Qwen2.5-Coder's GGUF template with tools: `required`, a named function and `auto`, plain and streamed, each
+    returns tool_calls with parsed arguments (forced calls write Qwen's own <tool_call> token; auto reads the
+    tagless JSON this model often writes)."""
+    import jsonschema
+    import openai
+
+    from tokenmill.bench.server_process import live_server
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"]}}}
+    clock = {"type": "function", "function": {
+        "name": "get_time", "description": "Current time in a timezone", "parameters": {
+            "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+            "required": ["timezone"]}}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (weather, clock)}
+    with live_server(str(fetch(QWEN25_CODER_05B)), "--enable-auto-tool-choice", "--tool-call-parser", "auto",
+                     "--max-model-len", "4096") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}, "auto"):
+            kwargs: dict[str, Any] = dict(
+                model=model, messages=[{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+                tools=[weather, clock], tool_choice=choice, max_tokens=100, temperature=0, parallel_tool_calls=False)
+            reply = client.chat.completions.create(**kwargs).choices[0]
+            calls = reply.message.tool_calls
+            assert calls and len(calls) == 1 and calls[0].function.name == "get_weather", (choice, reply)
+            arguments = json.loads(calls[0].function.arguments)
+            jsonschema.validate(arguments, schemas["get_weather"])
+            assert arguments["city"] == "Paris" and not reply.message.content
+            assert reply.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls")
+            streamed: dict[int, dict[str, str]] = {}
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                assert not chunk.choices[0].delta.content
+                for delta in chunk.choices[0].delta.tool_calls or []:
+                    call = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+            assert list(streamed.values()) == [{"name": "get_weather", "arguments": calls[0].function.arguments}]
