@@ -13,7 +13,6 @@ import pytest
 from tokenmill.bench.server_process import live_server
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.server.tools import prepare_conversation
-from tokenmill.tool_parsers import ToolCallStreamer
 from tokenmill.tool_parsers.hermes import HermesParser
 
 WEATHER = {"type": "function", "function": {

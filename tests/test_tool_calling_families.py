@@ -44,8 +44,8 @@ Respond in the format {"name": function name, "parameters": dictionary of argume
 {%- elif message.role == 'assistant' and message.tool_calls -%}
 <|start_header_id|>assistant<|end_header_id|>
 
-{% for call in message.tool_calls %}{"name": "{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}\
-{% endfor %}<|eot_id|>
+{% for call in message.tool_calls %}{"name": "{{ call.function.name }}", "parameters": \
+{{- call.function.arguments | tojson }}}{% endfor %}<|eot_id|>
 {%- elif message.role == 'tool' -%}
 <|start_header_id|>ipython<|end_header_id|>
 
@@ -65,7 +65,8 @@ MISTRAL_TEMPLATE = """{{- bos_token -}}
 {%- for message in messages -%}
 {%- if message.role == 'user' -%}[INST]{{ message.content }}[/INST]
 {%- elif message.role == 'assistant' and message.tool_calls -%}[TOOL_CALLS][
-{%- for call in message.tool_calls -%}{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+{%- for call in message.tool_calls -%}{"name": "{{ call.function.name }}", "arguments": \
+{{- call.function.arguments | tojson }}}
 {%- if not loop.last %}, {% endif -%}{%- endfor -%}]{{ eos_token }}
 {%- elif message.role == 'tool' -%}[TOOL_RESULTS]{"content": {{ message.content | tojson }}}[/TOOL_RESULTS]
 {%- else -%}{{ message.content }}{{ eos_token }}

@@ -118,6 +118,18 @@ def alternatives(rules: Sequence[str]) -> str:
     return " | ".join(rules)
 
 
+def json_call_rules(tools: Sequence[dict[str, Any]], arguments_key: str, before: str = "",
+                    after: str = "") -> list[str]:
+    """Lark rules `call` (any of the tools) for calls written as one JSON object, {"name": ..., KEY: {...}},
+    between the `before` and `after` items."""
+    rules = ["call: " + alternatives([f"call_{i}" for i in range(len(tools))])]
+    for i, tool in enumerate(tools):
+        head = quoted('{"name": ' + json.dumps(tool["name"], ensure_ascii=False) + f', "{arguments_key}": ')
+        rules.append(" ".join(filter(None, [f"call_{i}:", before, head, f"args_{i}", '"}"', after])))
+        rules.append(arguments_rule(f"args_{i}", tool))
+    return rules
+
+
 def held_back(text: str, pos: int, markers: Sequence[str]) -> int:
     """How many characters at the end of text[pos:] could be the start of one of the markers (kept back until
     the next characters say)."""
@@ -128,6 +140,44 @@ def held_back(text: str, pos: int, markers: Sequence[str]) -> int:
                 longest = n
                 break
     return longest
+
+
+# (the text, where a block's body starts, final) -> (its call or None, where its end tag starts: -1 while open)
+BlockReader = Callable[[str, int, bool], tuple["PartialCall | None", int]]
+
+
+def scan_blocks(text: str, final: bool, start_tag: str, end_tag: str, read: BlockReader,
+                dropped: Sequence[str] = ()) -> Scan:
+    """Calls in tagged blocks between content (hermes, qwen3_coder, deepseek_v3). A complete block that holds no
+    whole call is content; one cut short before its name is content only if no call came before it. `dropped`
+    markers (those around a group of blocks) are taken out of the content."""
+    scan = Scan()
+
+    def content(piece: str) -> str:
+        for marker in dropped:
+            piece = piece.replace(marker, "")
+        return piece
+
+    pos = 0
+    while True:
+        start = text.find(start_tag, pos)
+        if start < 0:
+            keep = 0 if final else held_back(text, pos, (start_tag, *dropped))
+            scan.content += content(text[pos:len(text) - keep])
+            return scan
+        scan.content += content(text[pos:start])
+        call, end = read(text, start + len(start_tag), final)
+        if end < 0:
+            if call is not None:
+                scan.calls.append(call)
+            elif final and not scan.calls:
+                scan.content += text[start:]
+            return scan
+        if call is None or not call.done:
+            scan.content += text[start:end + len(end_tag)]
+        else:
+            scan.calls.append(call)
+        pos = end + len(end_tag)
 
 
 # ------------------------------------------------------------------ JSON text, possibly cut short

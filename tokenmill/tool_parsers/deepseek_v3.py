@@ -20,15 +20,14 @@ from tokenmill.tool_parsers.base import (
     ToolParser,
     alternatives,
     arguments_rule,
-    held_back,
     json_value_end,
     quoted,
+    scan_blocks,
 )
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 _HEAD = re.compile(r"[^<\n]*<｜tool▁sep｜>([^\n]+)\n```(?:json)?[ \t]*\n")
-_BETWEEN = re.compile(r"\s*(?:<｜tool▁calls▁end｜>)?")
 
 
 class DeepSeekV3Parser(ToolParser):
@@ -36,34 +35,7 @@ class DeepSeekV3Parser(ToolParser):
     markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def scan(self, text: str, final: bool) -> Scan:
-        begin = text.find(CALLS_BEGIN)
-        if begin < 0:
-            return Scan(content=text[:len(text) - (0 if final else held_back(text, 0, (CALLS_BEGIN,)))])
-        scan = Scan(content=text[:begin])
-        pos = begin + len(CALLS_BEGIN)
-        while True:
-            start = text.find(CALL_BEGIN, pos)
-            if start < 0:
-                between = _BETWEEN.match(text, pos)
-                rest = text[between.end():]  # type: ignore[union-attr]  # matches any text
-                if final or not (CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest.lstrip())):
-                    scan.content += rest
-                return scan
-            end = text.find(CALL_END, start)
-            block = text[start + len(CALL_BEGIN):end if end >= 0 else len(text)]
-            call = _call(block)
-            if end < 0:
-                if call is not None:
-                    scan.calls.append(call)
-                elif final and not scan.calls:  # cut short before its name: after calls it is dropped
-                    scan.content += text[start:]
-                return scan
-            if call is None:
-                scan.content += text[start:end + len(CALL_END)]
-            else:
-                call.done = True
-                scan.calls.append(call)
-            pos = end + len(CALL_END)
+        return scan_blocks(text, final, CALL_BEGIN, CALL_END, _block, dropped=(CALLS_BEGIN, CALLS_END))
 
     def call_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool, spell: Spell) -> str:
         rules = []
@@ -80,13 +52,16 @@ class DeepSeekV3Parser(ToolParser):
         return (f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}{name}\n```json\n{arguments}\n```{CALL_END}{CALLS_END}")
 
 
-def _call(block: str) -> PartialCall | None:
-    """One block's call once its name line is complete; its arguments as far as they go."""
+def _block(text: str, body: int, final: bool) -> tuple[PartialCall | None, int]:
+    """One block's call once its name line is complete, its arguments as far as they go."""
+    end = text.find(CALL_END, body)
+    block = text[body:end if end >= 0 else len(text)]
     head = _HEAD.match(block)
     if head is None:
-        return None
+        return None, end
     value = head.end()
+    name = head.group(1).strip()
     if value >= len(block):
-        return PartialCall(head.group(1).strip())
-    end = json_value_end(block, value)
-    return PartialCall(head.group(1).strip(), block[value:end if end is not None else len(block)])
+        return PartialCall(name), end
+    value_end = json_value_end(block, value)
+    return PartialCall(name, block[value:value_end if value_end is not None else len(block)], done=end >= 0), end

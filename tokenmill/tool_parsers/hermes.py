@@ -13,19 +13,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.tool_parsers.base import (
+    PartialCall,
     Scan,
     Spell,
     ToolParser,
-    alternatives,
-    arguments_rule,
-    held_back,
     json_call,
-    quoted,
+    json_call_rules,
+    scan_blocks,
 )
 
 START, END = "<tool_call>", "</tool_call>"
 # the start of an answer that may be a loose call: optional fence, then an object
-CALL_TAIL = quoted("}\n")  # the call's object closes, then its end tag on a line of its own
 _LOOSE_START = re.compile(r"\s*(?:```(?:json)?\s*)?\{")
 _FENCE_END = re.compile(r"\s*```")
 
@@ -39,32 +37,7 @@ class HermesParser(ToolParser):
             loose = self._loose(text, final)
             if loose is not None:
                 return loose
-        scan = Scan()
-        pos = 0
-        while True:
-            start = text.find(START, pos)
-            if start < 0:
-                keep = 0 if final else held_back(text, pos, (START,))
-                scan.content += text[pos:len(text) - keep]
-                return scan
-            scan.content += text[pos:start]
-            body = _skip_space(text, start + len(START))
-            call, obj = json_call(text, body)
-            # the end tag after the call's object (its strings may hold the tag's text); an open object goes
-            # on, a broken one ends at the tag
-            end = text.find(END, obj.end if obj.end is not None else body) if obj.end or obj.broken else -1
-            if end < 0:
-                if call is not None:
-                    scan.calls.append(call)
-                elif final and not scan.calls:  # cut short before its name: after calls it is dropped
-                    scan.content += text[start:]
-                return scan
-            if call is None:  # a block that holds no call is content
-                scan.content += text[start:end + len(END)]
-            else:
-                call.done = True
-                scan.calls.append(call)
-            pos = end + len(END)
+        return scan_blocks(text, final, START, END, _block)
 
     def _loose(self, text: str, final: bool) -> Scan | None:
         """A tagless answer: one or more JSON calls (maybe fenced) naming the request's tools. None: it is not
@@ -96,14 +69,9 @@ class HermesParser(ToolParser):
             return scan
 
     def call_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool, spell: Spell) -> str:
-        rules = []
-        for i, tool in enumerate(tools):
-            head = json.dumps('\n{"name": ' + json.dumps(tool["name"], ensure_ascii=False) + ', "arguments": ')
-            rules.append(f"call_{i}: {spell(START)} {head} args_{i} {CALL_TAIL} {spell(END)}")
-            rules.append(arguments_rule(f"args_{i}", tool))
         repeat = ' ("\\n" call)*' if parallel else ""
-        return "\n".join([f"start: call{repeat}", "call: " + alternatives([f"call_{i}" for i in range(len(tools))]),
-                          *rules])
+        return "\n".join([f"start: call{repeat}", *json_call_rules(
+            tools, "arguments", before=f'{spell(START)} "\\n"', after=f'"\\n" {spell(END)}')])
 
     def format_call(self, name: str, arguments: str) -> str:
         return f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}\n{END}'
@@ -111,3 +79,14 @@ class HermesParser(ToolParser):
 
 def _skip_space(text: str, pos: int) -> int:
     return len(text) - len(text[pos:].lstrip()) if pos < len(text) else pos
+
+
+def _block(text: str, body: int, final: bool) -> tuple[PartialCall | None, int]:
+    body = _skip_space(text, body)
+    call, obj = json_call(text, body)
+    # the end tag after the call's object (its strings may hold the tag's text); an open object goes on, a broken
+    # one ends at the tag
+    end = text.find(END, obj.end if obj.end is not None else body) if obj.end or obj.broken else -1
+    if call is not None and end >= 0:
+        call.done = True
+    return call, end

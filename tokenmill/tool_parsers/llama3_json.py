@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.tool_parsers.base import Scan, Spell, ToolParser, alternatives, arguments_rule, json_call
+from tokenmill.tool_parsers.base import Scan, Spell, ToolParser, json_call, json_call_rules
 
 PYTHON_TAG = "<|python_tag|>"
 _LEAD = re.compile(r"\s*(?:<\|python_tag\|>\s*)?")
@@ -43,14 +43,8 @@ class Llama3JsonParser(ToolParser):
             return scan
 
     def call_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool, spell: Spell) -> str:
-        rules = []
-        for i, tool in enumerate(tools):
-            head = json.dumps('{"name": ' + json.dumps(tool["name"], ensure_ascii=False) + ', "parameters": ')
-            rules.append(f'call_{i}: {head} args_{i} "}}"')
-            rules.append(arguments_rule(f"args_{i}", tool))
         repeat = ' ("; " call)*' if parallel else ""
-        return "\n".join([f"start: call{repeat}", "call: " + alternatives([f"call_{i}" for i in range(len(tools))]),
-                          *rules])
+        return "\n".join([f"start: call{repeat}", *json_call_rules(tools, "parameters")])
 
     def format_call(self, name: str, arguments: str) -> str:
         return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": {arguments}}}'

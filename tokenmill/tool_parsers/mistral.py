@@ -14,10 +14,9 @@ from tokenmill.tool_parsers.base import (
     Scan,
     Spell,
     ToolParser,
-    alternatives,
-    arguments_rule,
     held_back,
     json_call,
+    json_call_rules,
     json_value_end,
 )
 
@@ -99,14 +98,8 @@ class MistralParser(ToolParser):
         return end
 
     def call_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool, spell: Spell) -> str:
-        rules = []
-        for i, tool in enumerate(tools):
-            head = json.dumps('{"name": ' + json.dumps(tool["name"], ensure_ascii=False) + ', "arguments": ')
-            rules.append(f'call_{i}: {head} args_{i} "}}"')
-            rules.append(arguments_rule(f"args_{i}", tool))
         repeat = ' (", " call)*' if parallel else ""
-        return "\n".join([f'start: {spell(TOOL_CALLS)} "[" call{repeat} "]"',
-                          "call: " + alternatives([f"call_{i}" for i in range(len(tools))]), *rules])
+        return "\n".join([f'start: {spell(TOOL_CALLS)} "[" call{repeat} "]"', *json_call_rules(tools, "arguments")])
 
     def format_call(self, name: str, arguments: str) -> str:
         return f'{TOOL_CALLS}[{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}]'

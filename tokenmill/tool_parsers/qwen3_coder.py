@@ -26,9 +26,9 @@ from tokenmill.tool_parsers.base import (
     Spell,
     ToolParser,
     alternatives,
-    held_back,
     json_grammar,
     quoted,
+    scan_blocks,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -42,32 +42,15 @@ class Qwen3CoderParser(ToolParser):
     markers = (START, END)
 
     def scan(self, text: str, final: bool) -> Scan:
-        scan = Scan()
-        pos = 0
-        while True:
-            start = text.find(START, pos)
-            if start < 0:
-                scan.content += text[pos:len(text) - (0 if final else held_back(text, pos, (START,)))]
-                return scan
-            scan.content += text[pos:start]
-            function_end = text.find(FUNCTION_END, start)  # a value may hold the end tag's text
-            if function_end >= 0:
-                end = text.find(END, function_end)
-            else:  # an open function goes on; a block that never starts one ends at the tag
-                end = text.find(END, start) if final or _FUNCTION.match(text, start + len(START)) is None else -1
-            body = text[start + len(START):end if end >= 0 else len(text)]
-            call = self._call(body)
-            if end < 0:
-                if call is not None:
-                    scan.calls.append(call)
-                elif final and not scan.calls:  # cut short before its name: after calls it is dropped
-                    scan.content += text[start:]
-                return scan
-            if call is None or not call.done:  # a block that holds no whole call is content
-                scan.content += text[start:end + len(END)]
-            else:
-                scan.calls.append(call)
-            pos = end + len(END)
+        return scan_blocks(text, final, START, END, self._block)
+
+    def _block(self, text: str, body: int, final: bool) -> tuple[PartialCall | None, int]:
+        function_end = text.find(FUNCTION_END, body)  # a value may hold the end tag's text
+        if function_end >= 0:
+            end = text.find(END, function_end)
+        else:  # an open function goes on; a block that never starts one ends at the tag
+            end = text.find(END, body) if final or _FUNCTION.match(text, body) is None else -1
+        return self._call(text[body:end if end >= 0 else len(text)]), end
 
     def _call(self, body: str) -> PartialCall | None:
         function = _FUNCTION.match(body)
