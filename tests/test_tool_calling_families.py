@@ -17,6 +17,7 @@ import numpy as np
 import openai
 import pytest
 
+from tests.test_tool_calling import collect_stream
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.server_process import live_server
 from tokenmill.model.tokenizer import Tokenizer
@@ -259,21 +260,6 @@ def test_forced_calls_in_the_family_format_through_the_marker_tokens(family: tup
                 jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
-def _collect(stream: Any) -> tuple[str, dict[int, dict[str, Any]], str | None]:
-    content, calls, finish = "", {}, None
-    for chunk in stream:
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for delta in choice.delta.tool_calls or []:
-            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
-            if delta.id:
-                assert call["id"] is None
-                call["id"], call["name"] = delta.id, delta.function.name
-            call["arguments"] += delta.function.arguments or ""
-        finish = choice.finish_reason or finish
-    return content, calls, finish
-
-
 def test_the_openai_client_gets_the_family_calls_plain_and_streamed(family: tuple[str, Path]) -> None:
     name, path = family
     # `python -m tokenmill serve`, as a user without the script on PATH starts it
@@ -291,7 +277,7 @@ def test_the_openai_client_gets_the_family_calls_plain_and_streamed(family: tupl
             call = message.tool_calls[0]
             assert choice == "required" or call.function.name == "save_note"
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-            content, calls, finish = _collect(client.chat.completions.create(stream=True, **kwargs))
+            content, calls, finish = collect_stream(client.chat.completions.create(stream=True, **kwargs))
             assert not content and list(calls) == [0]
             assert (calls[0]["name"], calls[0]["arguments"]) == (call.function.name, call.function.arguments)
             assert finish == ("tool_calls" if choice == "required" else "stop")

@@ -118,6 +118,13 @@ def alternatives(rules: Sequence[str]) -> str:
     return " | ".join(rules)
 
 
+def schema_parameters(tool: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
+    """A function's parameters in schema order: (name, schema, required)."""
+    schema = tool.get("parameters") or {}
+    required = set(schema.get("required") or ())
+    return [(key, prop, key in required) for key, prop in (schema.get("properties") or {}).items()]
+
+
 def json_call_rules(tools: Sequence[dict[str, Any]], arguments_key: str, before: str = "",
                     after: str = "") -> list[str]:
     """Lark rules `call` (any of the tools) for calls written as one JSON object, {"name": ..., KEY: {...}},

@@ -11,7 +11,16 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.tool_parsers.base import PartialCall, Scan, Spell, ToolParser, alternatives, json_grammar, quoted
+from tokenmill.tool_parsers.base import (
+    PartialCall,
+    Scan,
+    Spell,
+    ToolParser,
+    alternatives,
+    json_grammar,
+    quoted,
+    schema_parameters,
+)
 
 START, END = "<|python_start|>", "<|python_end|>"
 _LEAD = re.compile(r"\s*(?:<\|python_start\|>\s*)?")
@@ -57,13 +66,11 @@ class PythonicParser(ToolParser):
     def call_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool, spell: Spell) -> str:
         rules = []
         for i, tool in enumerate(tools):
-            schema = tool.get("parameters") or {}
-            required = set(schema.get("required") or ())
             parts = []
-            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            for j, (key, prop, required) in enumerate(schema_parameters(tool)):
                 rules.append(f"kwarg_{i}_{j}: {quoted(key + '=')} value_{i}_{j}")
                 rules.append(f"value_{i}_{j}: {_value_grammar(prop)}")
-                parts.append((f"kwarg_{i}_{j}", key in required))
+                parts.append((f"kwarg_{i}_{j}", required))
             # keyword arguments in schema order, separated by ", ", the optional ones optional
             body = _keywords(parts)
             rules.append(f"call_{i}: {quoted(tool['name'] + '(')} {body} \")\"")

@@ -29,6 +29,7 @@ from tokenmill.tool_parsers.base import (
     json_grammar,
     quoted,
     scan_blocks,
+    schema_parameters,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -74,15 +75,13 @@ class Qwen3CoderParser(ToolParser):
     def call_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool, spell: Spell) -> str:
         rules = []
         for i, tool in enumerate(tools):
-            schema = tool.get("parameters") or {}
-            required = set(schema.get("required") or ())
             parts = []
-            for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            for j, (key, prop, required) in enumerate(schema_parameters(tool)):
                 rule = f"param_{i}_{j}"
                 rules.append(f"{rule}: {quoted(f'<parameter={key}>' + chr(10))} value_{i}_{j} "
                              f"{quoted(chr(10) + PARAMETER_END + chr(10))}")
                 rules.append(f"value_{i}_{j}: {_value_grammar(prop)}")
-                parts.append(rule if key in required else f"{rule}?")
+                parts.append(rule if required else f"{rule}?")
             head = quoted(f"\n<function={tool['name']}>\n")
             rules.append(f"call_{i}: {spell(START)} {head} {' '.join(parts)} "
                          f"{quoted(FUNCTION_END + chr(10))} {spell(END)}")
