@@ -6,18 +6,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tokenmill.beam_search import BeamSearchParams
     from tokenmill.config import EngineConfig
     from tokenmill.llm import LLM
     from tokenmill.lora.request import LoRARequest
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput",
+           "SamplingParams"]
 __version__ = "0.1.0"
 
 # Imported on first use, so that `tokenmill serve` can start its engine-core server before torch is imported.
-_HOMES = {"LLM": "tokenmill.llm", "CompletionOutput": "tokenmill.outputs", "EngineConfig": "tokenmill.config",
-          "LoRARequest": "tokenmill.lora.request",
+_HOMES = {"LLM": "tokenmill.llm", "BeamSearchParams": "tokenmill.beam_search", "CompletionOutput": "tokenmill.outputs",
+          "EngineConfig": "tokenmill.config", "LoRARequest": "tokenmill.lora.request",
           "RequestOutput": "tokenmill.outputs", "SamplingParams": "tokenmill.sampling_params"}
 
 

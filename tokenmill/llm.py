@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_searches
 from tokenmill.config import EngineConfig
 from tokenmill.encoder.config import resolve_task
 from tokenmill.encoder.engine import EmbeddingEngine
@@ -141,6 +142,27 @@ class LLM:
             ids.append(self.engine.add_request(f"offline-{id(self)}-{i}", prompt, params,
                                                priority=priority[i] if priority else 0, lora_request=loras[i]))
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `beam_width` best continuations of each prompt (tokenmill/beam_search.py),
+        best first; each sequence holds its generated tokens and their text."""
+        tokenize = self.engine.processor.tokenize_prompt
+        searches = [BeamSearch(tokenize(p)[1], params, self.engine.eos_token_ids) for p in _prompt_list(prompts)]
+
+        def next_tokens(sequences: list[list[int]], count: int) -> list[dict[int, float]]:
+            step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=count, ignore_eos=True)
+            outputs = self.generate([{"prompt_token_ids": s} for s in sequences], step)
+            return [output.outputs[0].logprobs[0] for output in outputs]  # type: ignore[index]
+
+        run_beam_searches(searches, next_tokens)
+        results = []
+        for search in searches:
+            sequences = search.result()
+            for sequence in sequences:
+                sequence.text = self.tokenizer.decode(sequence.tokens)
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

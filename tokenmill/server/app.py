@@ -32,6 +32,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.platform import in_passing_thread
 from tokenmill.reasoning import reasoning_parser
 from tokenmill.server.anthropic_api import ANTHROPIC_PATH, add_messages_routes, anthropic_error_body
+from tokenmill.server.beam_serving import beam_search_completion
 from tokenmill.server.cache_salt import request_salt, salted
 from tokenmill.server.errors import APIError
 from tokenmill.server.lifecycle import GracefulServer, ShuttingDownError
@@ -366,6 +367,11 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         lora = check_model(body.model)
+        if body.use_beam_search:
+            response_id = "cmpl-" + (http_request.state.request_id or uuid.uuid4().hex)
+            return JSONResponse(await beam_search_completion(
+                llm, response_id, serving.served_name(lora), body.prompts(), body.beam_search_params(), body.n,
+                body.priority, lora))
         params = params_or_400(lambda: body.sampling_params(body.engine_max_tokens, body.logprobs, body.constraint(),
                                                       body.scored_prompt_logprobs))
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tokenmill.beam_search import BeamSearchParams
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams
 
@@ -142,6 +143,10 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False  # the prompt in front of the completion (with its logprobs when logprobs is set)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each choice's prompt_logprobs
     suffix: str | None = None
+    # vLLM's beam search: the n best of beam_width beams (beam_width defaults to n)
+    use_beam_search: bool = False
+    beam_width: int | None = Field(None, ge=1, le=MAX_LOGPROBS // 2)
+    length_penalty: float = 1.0
 
     @field_validator("prompt")
     @classmethod
@@ -163,7 +168,20 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 only with echo, which returns the prompt)")
+        if self.use_beam_search:
+            if self.stream:
+                raise ValueError("streaming is not supported with beam search")
+            if self.echo or self.logprobs is not None or self.prompt_logprobs is not None:
+                raise ValueError("beam search returns no logprobs and no echo")
+            if self.beam_width is not None and self.n > self.beam_width:
+                raise ValueError(f"n ({self.n}) cannot exceed beam_width ({self.beam_width})")
+        elif self.beam_width is not None:
+            raise ValueError("beam_width needs use_beam_search")
         return self
+
+    def beam_search_params(self) -> BeamSearchParams:
+        return BeamSearchParams(beam_width=self.beam_width or self.n, max_tokens=self.max_tokens or 16,
+                                ignore_eos=self.ignore_eos, length_penalty=self.length_penalty)
 
     @property
     def scored_prompt_logprobs(self) -> int | None:
