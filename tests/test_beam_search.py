@@ -62,7 +62,21 @@ def test_completions_beam_search_over_http(base_url: str, llm: LLM) -> None:
     assert 2 <= usage["completion_tokens"] <= 24 and usage["total_tokens"] == usage["prompt_tokens"] + usage[
         "completion_tokens"]
     for bad, message in [({"beam_width": 0}, "beam_width"), ({"stream": True}, "streaming"),
-                         ({"n": 4}, "cannot exceed"), ({"use_beam_search": False}, "needs use_beam_search"),
-                         ({"logprobs": 2}, "no logprobs")]:
+                         ({"n": 4}, "cannot exceed"), ({"best_of": 1}, "must be at least n"),
+                         ({"use_beam_search": False}, "needs use_beam_search"), ({"logprobs": 2}, "no logprobs")]:
         reply = httpx.post(base_url + "/v1/completions", json={**body, **bad}, timeout=30)
         assert reply.status_code == 400 and message in reply.text, (bad, reply.text)
+
+
+def test_best_of_returns_the_most_likely_samples(base_url: str) -> None:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.0, "seed": 7,
+            "logprobs": 0}
+    drawn = httpx.post(base_url + "/v1/completions", json={**body, "n": 5}, timeout=120).json()["choices"]
+    best = httpx.post(base_url + "/v1/completions", json={**body, "n": 2, "best_of": 5}, timeout=120).json()
+    # the same seeds draw the same five samples; best_of keeps the two of highest cumulative logprob, in order
+    total = {c["text"]: sum(c["logprobs"]["token_logprobs"]) for c in drawn}
+    expected = sorted(total, key=lambda text: -total[text])[:2]
+    assert [c["text"] for c in best["choices"]] == expected and [c["index"] for c in best["choices"]] == [0, 1]
+    assert best["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in drawn)
+    reply = httpx.post(base_url + "/v1/completions", json={**body, "best_of": 3, "stream": True}, timeout=30)
+    assert reply.status_code == 400 and "best_of cannot be used with stream" in reply.text

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -374,10 +374,13 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                 body.priority, lora))
         params = params_or_400(lambda: body.sampling_params(body.engine_max_tokens, body.logprobs, body.constraint(),
                                                       body.scored_prompt_logprobs))
+        if body.best_of is not None and body.best_of > body.n:  # best_of samples, the n most likely returned
+            params = replace(params, n=body.best_of, logprobs=params.logprobs or 0)
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in body.prompts()]
         builder = ResponseBuilder("completion", serving.served_name(lora), tokenizer, len(prompts), params.n,
                                   logprobs=body.logprobs, request_id=http_request.state.request_id, echo=body.echo,
-                                  drop_generated=body.max_tokens == 0, prompt_logprobs=body.prompt_logprobs)
+                                  drop_generated=body.max_tokens == 0, prompt_logprobs=body.prompt_logprobs,
+                                  keep_best=body.n if params.n > body.n else None)
         builder.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         http_request.state.cache_salt = body.cache_salt
         return await serve(builder, prompts, params, body.priority, body.stream, http_request, lora)

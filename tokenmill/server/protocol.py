@@ -145,6 +145,8 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     # vLLM's beam search: the n best of beam_width beams (beam_width defaults to n)
     use_beam_search: bool = False
+    # samples drawn, the n most likely returned; with beam search, the beam width (vLLM's first API)
+    best_of: int | None = Field(None, ge=1, le=16)
     beam_width: int | None = Field(None, ge=1, le=MAX_LOGPROBS // 2)
     length_penalty: float = 1.0
 
@@ -173,14 +175,20 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("streaming is not supported with beam search")
             if self.echo or self.logprobs is not None or self.prompt_logprobs is not None:
                 raise ValueError("beam search returns no logprobs and no echo")
-            if self.beam_width is not None and self.n > self.beam_width:
-                raise ValueError(f"n ({self.n}) cannot exceed beam_width ({self.beam_width})")
+            width = self.beam_width or self.best_of or self.n
+            if self.n > width:
+                raise ValueError(f"n ({self.n}) cannot exceed the beam width ({width})")
         elif self.beam_width is not None:
             raise ValueError("beam_width needs use_beam_search")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+            if self.stream and self.best_of > self.n:
+                raise ValueError("best_of cannot be used with stream")
         return self
 
     def beam_search_params(self) -> BeamSearchParams:
-        return BeamSearchParams(beam_width=self.beam_width or self.n, max_tokens=self.max_tokens or 16,
+        return BeamSearchParams(beam_width=self.beam_width or self.best_of or self.n, max_tokens=self.max_tokens or 16,
                                 ignore_eos=self.ignore_eos, length_penalty=self.length_penalty)
 
     @property

@@ -28,6 +28,7 @@ class ChoiceState:
     tool_calls: ToolCallStreamer | None = None  # streaming with tools: splits the text into content and calls
     echoed: bool = False  # echo, streaming: the prompt went out in front of the first delta
     reasoning: ReasoningStreamer | None = None  # a reasoning parser: splits the text into reasoning and answer
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -66,8 +67,10 @@ class ResponseBuilder:
                  n: int, logprobs: int | None, request_id: str | None = None, tool_mode: str = "none",
                  tool_parser: ToolParser | None = None,
                  echo: bool = False, drop_generated: bool = False, prompt_logprobs: int | None = None,
-                 reasoning: ReasoningParser | None = None) -> None:
+                 reasoning: ReasoningParser | None = None, keep_best: int | None = None) -> None:
         self.kind = kind
+        # best_of: each prompt's n samples are cut to the keep_best most likely (cumulative logprob, vLLM's rule)
+        self.keep_best = keep_best
         self.reasoning = reasoning  # chat: the <think> block goes to reasoning_content
         # completions: `echo` puts each prompt in front of its completions; `drop_generated` (max_tokens 0)
         # keeps the prompt only (the engine still sampled one token, which nobody asked for)
@@ -111,6 +114,7 @@ class ResponseBuilder:
             state.logprobs = completion.logprobs or []
             state.finish_reason = completion.finish_reason
             state.stop_reason = completion.stop_reason
+            state.cumulative_logprob = completion.cumulative_logprob
             if completion.delta_text or completion.delta_token_ids or completion.finish_reason:
                 changed.append((index, completion))
         return changed
@@ -234,8 +238,20 @@ class ResponseBuilder:
                 if self.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
                 choices.append(choice)
+        if self.keep_best is not None:
+            choices = self._best(choices)
         return {"id": self.response_id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def _best(self, choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each prompt's keep_best most likely samples, reindexed (best_of)."""
+        assert self.keep_best is not None
+        kept: list[dict[str, Any]] = []
+        for start in range(0, len(choices), self.n):
+            group = range(start, start + self.n)
+            ranked = sorted(group, key=lambda i: -(self.choices[i].cumulative_logprob or 0.0))
+            kept += [choices[i] for i in ranked[:self.keep_best]]
+        return [{**choice, "index": index} for index, choice in enumerate(kept)]
 
     def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
         chunk: dict[str, Any] = {
