@@ -80,3 +80,23 @@ def test_best_of_returns_the_most_likely_samples(base_url: str) -> None:
     assert best["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in drawn)
     reply = httpx.post(base_url + "/v1/completions", json={**body, "best_of": 3, "stream": True}, timeout=30)
     assert reply.status_code == 400 and "best_of cannot be used with stream" in reply.text
+
+
+def test_beams_share_their_blocks_through_the_prefix_cache(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step after the first computes at most each beam's last partial block (plus the token whose logits it
+    needs): the prompt's blocks, and each beam's history, come from the pool."""
+    seen: list[tuple[int, int]] = []  # (tokens in the step request, of them read from the cache)
+    generate = llm.generate
+
+    def recording(prompts: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = generate(prompts, params, *args, **kwargs)
+        seen.extend((len(o.prompt_token_ids), o.num_cached_tokens) for o in outputs)
+        return outputs
+
+    monkeypatch.setattr(llm, "generate", recording)
+    prompt = llm.tokenizer.encode("Tell me a story about a lighthouse keeper. " * 12)
+    llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True))
+    block = llm.engine.config.block_size
+    assert len(seen) == 1 + 3 * 19  # one request for the prompt, then one per beam and step
+    for length, cached in seen[1:]:
+        assert cached >= (length - 1) // block * block, (length, cached)
