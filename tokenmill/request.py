@@ -22,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the request cannot go on (its output broke its grammar): an error to its client
 
     @property
     def finished(self) -> bool:
@@ -30,7 +31,7 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Request:
         self.lora_request = lora_request  # the adapter it runs under; None: the base model
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why it ended with FINISHED_ERROR
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first scheduling
         self.num_preemptions = 0

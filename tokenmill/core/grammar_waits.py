@@ -114,7 +114,8 @@ class GrammarWaits:
 
     def advance(self, request: Request, token: int) -> RequestStatus | None:
         """Feed an emitted token to the request's grammar: a complete grammar ends the request (its EOS need not
-        be generated); a token the grammar rejects (only possible if the mask was bypassed) aborts it. While
+        be generated); a token the grammar rejects (only possible if the mask was bypassed) ends it with an
+        error. While
         the request reasons, the token only counts towards the end of its reasoning."""
         return self._feed(request, token, request.output_token_ids)
 
@@ -133,7 +134,8 @@ class GrammarWaits:
         if not grammar.accept(token):
             logger.error("request %s: token %d does not match its grammar: %s", request.request_id, token,
                          grammar.error)
-            return RequestStatus.FINISHED_ABORTED
+            request.error = f"the output broke its grammar at token {token}: {grammar.error}"
+            return RequestStatus.FINISHED_ERROR
         return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 
 

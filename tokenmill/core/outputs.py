@@ -84,6 +84,7 @@ class EngineCoreOutput:
     kv_transfer_params: dict[str, Any] | None = None  # a producer's saved KV, for the decode engine
     prompt_logprobs: list[dict[int, float]] | None = None  # with the first token: prompt tokens 1.. scored
     pooled: list[float] | None = None  # a pooling request's embedding, with its end
+    error: str | None = None  # finish_reason "error": why the request could not go on
 
 
 @dataclass

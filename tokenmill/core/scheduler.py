@@ -562,6 +562,7 @@ class Scheduler:
                     self._finish(request, status)
                     out.finish_reason = status.finish_reason
                     out.stop_reason = request.stop_reason
+                    out.error = request.error
                     break
             outputs.append(out)
             threshold = self.long_rope_threshold

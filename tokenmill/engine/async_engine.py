@@ -293,10 +293,16 @@ class AsyncLLM:
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self._send_each("finish", stopped)
+        # a request that cannot go on fails its stream with the reason instead of ending with what it wrote
+        errors = {out.request_id: out.error or "the request failed" for out in core_outputs
+                  if out.finish_reason == "error"}
+        failed_parents = {self._parents.get(child_id) for child_id in errors}
         for output in outputs:
             queue = self._queues.get(output.request_id)
-            if queue is not None:
+            if queue is not None and output.request_id not in failed_parents:
                 queue.put_nowait(output)
+        for child_id, error in errors.items():
+            self._fail_requests([child_id], EngineStepError(error))
         if report.failed:
             self._fail_requests(report.failed, EngineStepError(report.error or "the model step failed"))
         if report.rejected:
