@@ -248,6 +248,26 @@ def test_qwen_tool_calls_with_the_openai_client() -> None:
             "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
             "required": ["timezone"]}}}
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (weather, clock)}
+    # the file's own template renders an earlier call that the hermes parser reads back as the same call
+    from tokenmill.model.tokenizer import Tokenizer
+    from tokenmill.server.tools import prepare_conversation, resolve_parser
+
+    tokenizer = Tokenizer.from_path(str(fetch(QWEN25_CODER_05B)))
+    parser = resolve_parser("auto", tokenizer.chat_template)([weather["function"], clock["function"]])
+    assert parser.name == "hermes"
+    ask = [{"role": "user", "content": "Weather in Lima?"}]
+    called = ask + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Lima", "unit": "celsius"}'}}]}]
+    tools = [weather["function"], clock["function"]]
+    prompt_messages, prompt_extra = prepare_conversation(ask, tools, tokenizer.chat_template, parser)
+    prompt = tokenizer.apply_chat_template(prompt_messages, **prompt_extra)
+    messages, extra = prepare_conversation(called, tools, tokenizer.chat_template, parser)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
+    assert rendered.startswith(prompt) and '"get_time"' in prompt
+    turn = rendered[len(prompt):rendered.index("<|im_end|>", len(prompt))]
+    content, calls = parser.parse(turn)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Lima", "unit": "celsius"})]
     with live_server(str(fetch(QWEN25_CODER_05B)), "--enable-auto-tool-choice", "--tool-call-parser", "auto",
                      "--max-model-len", "4096") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)

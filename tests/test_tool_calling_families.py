@@ -301,3 +301,42 @@ def test_an_output_that_breaks_its_grammar_is_an_error_not_a_fragment(tmp_path: 
             list(client.chat.completions.create(model=model, stream=True, extra_body=extra, **ask))
         reply = client.chat.completions.create(model=model, messages=ask["messages"], max_tokens=4)
         assert reply.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("name", ["hermes", "mistral"])
+def test_hugging_face_tokenizers_name_their_marker_tokens_too(name: str, tmp_path: Path) -> None:
+    """A Hugging Face tokenizer.json as Qwen's and Mistral's are written: the markers are added tokens outside the
+    model's vocabulary (Qwen's `<tool_call>` not special, Mistral's `[TOOL_CALLS]` special). The forced-call
+    grammar names them by id, the first mask allows exactly the marker token, and the family's call, tokenized
+    as the model writes it, walks the grammar to its end."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tokenmill.structured_output.backend import Grammar, GrammarCompiler, grammar_definition
+    from tokenmill.structured_output.bitmask import allocate_bitmask
+
+    control, user_defined, eos, _ = FAMILIES[name]
+    backend = HFTokenizer(models.BPE(vocab={p: i for i, p in enumerate(_byte_pieces())}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    tokenizer = Tokenizer.from_hf_dir(str(tmp_path))
+    parser = PARSERS[name]()
+    spell, _ = marker_tokens(tokenizer, PARSERS[name])
+    grammar_text = forced_call_constraint(parser, [WEATHER], "get_weather", False, spell).grammar
+    assert grammar_text is not None
+    compiler = GrammarCompiler(tokenizer.backend.to_str(), tokenizer.vocab_size, [backend.token_to_id(eos)])
+    grammar = Grammar(compiler.compile(grammar_definition("grammar", grammar_text)))
+    marker = backend.token_to_id(parser.markers[0])
+    bitmask = allocate_bitmask(1, tokenizer.vocab_size)
+    grammar.fill_bitmask(bitmask, 0)
+    allowed = [t for t in range(tokenizer.vocab_size) if int(bitmask[0, t // 32]) >> (t % 32) & 1]
+    assert allowed == [marker]
+    call = parser.format_call("get_weather", '{"city": "Lima", "unit": "celsius"}')
+    tokens = tokenizer.encode(call, add_special_tokens=False)
+    assert tokens[0] == marker
+    assert all(grammar.accept(t) for t in tokens), grammar.error
+    assert grammar.is_terminated or grammar.accept(backend.token_to_id(eos))
