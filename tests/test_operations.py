@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fault_server import POISON_FATAL, POISON_STEP
+from tests.fault_server import POISON_FATAL, POISON_GRAMMAR, POISON_STEP
 from tests.server_utils import live_server
 from tokenmill.core.outputs import SchedulerStats
 from tokenmill.engine.core import StepRecord
@@ -258,3 +258,18 @@ def test_fatal_fault_with_the_core_in_a_thread_exits_nonzero() -> None:
         assert dead.status_code == 503 and "engine stopped" in dead.json()["error"]["message"]
         assert httpx.get(server.url + "/health").status_code == 503  # the process lingers ~1 s for the errors
         assert server.proc.wait(timeout=30) == 1
+
+
+def test_an_output_that_breaks_its_grammar_is_an_error_not_a_fragment(tokenizer) -> None:  # noqa: ANN001
+    """A sampled token past the grammar's mask (injected) ends its request with the reason: a 500, or an error
+    event when streamed, instead of `abort` with what it wrote; the server goes on."""
+    body = {"model": MODEL, "prompt": tokenizer.encode("Pick a number:") + [POISON_GRAMMAR], "max_tokens": 8,
+            "structured_outputs": {"regex": "[0-9]{3}"}}
+    with live_server("-q", "none", "--disable-log-stats", module="tests.fault_server") as server:
+        reply = post(server.url, body)
+        assert reply.status_code == 500 and "broke its grammar" in reply.json()["error"]["message"], reply.text
+        events: list[Any] = []
+        read_sse(server.url, {**body, "stream": True}, events, threading.Event())
+        assert events[-1] == "[DONE]" and "broke its grammar" in events[-2]["error"]["message"]
+        fine = post(server.url, {**body, "prompt": tokenizer.encode("Pick a number:")})
+        assert fine.status_code == 200 and len(fine.json()["choices"][0]["text"]) == 3

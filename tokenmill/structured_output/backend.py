@@ -63,13 +63,39 @@ class GrammarCompiler:
     """Builds matchers over the model's vocabulary (token bytes from the tokenizer's JSON)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.tokenizer = llguidance.LLTokenizer(text_added_tokens(tokenizer_json), n_vocab=vocab_size,
+                                                eos_token=list(eos_token_ids))
 
     def compile(self, definition: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, definition, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         return matcher
+
+
+def text_added_tokens(tokenizer_json: str) -> str:
+    """The tokenizer as llguidance should read it: added tokens that are not special (Qwen's `<tool_call>`) become
+    plain vocabulary entries. llguidance treats every added token as special, and its mask then let such a token
+    through where a grammar spells its text, while its matcher rejected it: the request broke its grammar. As
+    plain tokens they spell their text (a grammar names a special token by id, `<[id]>`). Only pieces a BPE or
+    WordPiece vocabulary writes as themselves are moved: printable ASCII without spaces."""
+    if '"special":false' not in tokenizer_json and '"special": false' not in tokenizer_json:
+        return tokenizer_json  # nothing to move: skip parsing (Gemma's tokenizer is 33 MB of JSON)
+    data = json.loads(tokenizer_json)
+    vocab = (data.get("model") or {}).get("vocab")
+    if not isinstance(vocab, dict):
+        return tokenizer_json
+    kept = []
+    for token in data.get("added_tokens") or []:
+        content = token.get("content", "")
+        if token.get("special") or not (content.isascii() and content.isprintable() and " " not in content):
+            kept.append(token)
+        elif vocab.setdefault(content, token["id"]) != token["id"]:
+            kept.append(token)  # the vocabulary has this text under another id: leave it an added token
+    if len(kept) == len(data.get("added_tokens") or []):
+        return tokenizer_json
+    data["added_tokens"] = kept
+    return json.dumps(data, ensure_ascii=False)
 
 
 class Grammar:
