@@ -208,7 +208,8 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout, enable_log_requests=args.enable_log_requests,
         disable_log_stats=args.disable_log_stats, disable_access_log=args.disable_uvicorn_access_log,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        tool_call_parser_strict=args.tool_call_parser_strict,
+        tool_call_parser_strict=args.tool_call_parser_strict, drift_probe=args.drift_probe,
+        drift_probe_interval=args.drift_probe_interval, drift_logprob_tolerance=args.drift_logprob_tolerance,
         step_trace=args.step_trace, data_parallel_size=args.data_parallel_size, router=args.router,
         distributed_executor_backend=args.distributed_executor_backend, disaggregated=args.disaggregated,
         kv_transport=args.kv_transport, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
@@ -317,6 +318,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="the format of the model's tool calls, by family (hermes: <tool_call>{...}</tool_call>, "
                             "Qwen2.5/3; llama3_json; mistral; qwen3_coder; pythonic; deepseek_v3); auto: the one "
                             "the chat template writes (also what forced calls use when this flag is not given)")
+    serve.add_argument("--drift-probe", default=None, metavar="FILE",
+                       help="prompts (a JSON list or JSON lines: a string, token ids, or {prompt, max_tokens}) run "
+                            "greedily every --drift-probe-interval minutes at the lowest priority; their tokens and "
+                            "logprobs are compared with the answers at start (metrics tokenmill:drift_*, a warning "
+                            "when they differ)")
+    serve.add_argument("--drift-probe-interval", type=float, default=10.0, metavar="MINUTES",
+                       help="minutes between drift checks (default 10)")
+    serve.add_argument("--drift-logprob-tolerance", type=float, default=1e-3, metavar="NATS",
+                       help="a probe token's logprob this far from its baseline counts as drift (default 1e-3: "
+                            "float rounding across batch shapes stays under 1e-4)")
     serve.add_argument("--tool-call-parser-strict", action="store_true",
                        help="read only the format's exact form (hermes: no tagless or fenced JSON calls)")
     serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",

@@ -74,6 +74,9 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     tool_call_parser_strict: bool = False  # no lenient reading of loose calls (Qwen2.5's tagless JSON)
+    drift_probe: str | None = None  # a file of prompts whose greedy answers are checked against the start's
+    drift_probe_interval: float = 10.0  # minutes between drift checks
+    drift_logprob_tolerance: float = 1e-3  # a probe logprob further than this from its baseline is drift
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info: special tokens and the chat template
     responses_store_size: int = DEFAULT_STORE_SIZE  # Responses API: stored responses (LRU) for previous_response_id
     step_trace: str | None = None  # a file for one JSON line per model step (tokenmill sim calibrate reads it)
@@ -247,6 +250,13 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
             await asyncio.sleep(options.log_stats_interval)
             stat_logger.log()
 
+    drift = None
+    if options.drift_probe:
+        from tokenmill.server.drift import DriftMetrics, DriftMonitor, load_probes
+
+        drift = DriftMonitor(llm, load_probes(options.drift_probe), options.drift_probe_interval * 60,
+                             DriftMetrics(metrics.registry, model_name), options.drift_logprob_tolerance)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await llm.start()
@@ -255,9 +265,11 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         gc.collect()
         gc.freeze()
         stats_task = None if options.disable_log_stats else asyncio.ensure_future(log_stats_forever())
+        drift_task = None if drift is None else asyncio.ensure_future(drift.run_forever())
         yield
-        if stats_task is not None:
-            stats_task.cancel()
+        for task in (stats_task, drift_task):
+            if task is not None:
+                task.cancel()
         await llm.shutdown()
         gc.unfreeze()  # a process that goes on (tests, an embedding application) can collect them again
 
