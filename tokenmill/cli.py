@@ -210,6 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_call_parser_strict=args.tool_call_parser_strict, drift_probe=args.drift_probe,
         drift_probe_interval=args.drift_probe_interval, drift_logprob_tolerance=args.drift_logprob_tolerance,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         step_trace=args.step_trace, data_parallel_size=args.data_parallel_size, router=args.router,
         distributed_executor_backend=args.distributed_executor_backend, disaggregated=args.disaggregated,
         kv_transport=args.kv_transport, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
@@ -318,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="the format of the model's tool calls, by family (hermes: <tool_call>{...}</tool_call>, "
                             "Qwen2.5/3; llama3_json; mistral; qwen3_coder; pythonic; deepseek_v3); auto: the one "
                             "the chat template writes (also what forced calls use when this flag is not given)")
+    serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send a span per request (queue, prefill and decode below it; the client's traceparent "
+                            "continued) to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318/v1/traces (needs "
+                            "pip install 'tokenmill[tracing]')")
     serve.add_argument("--drift-probe", default=None, metavar="FILE",
                        help="prompts (a JSON list or JSON lines: a string, token ids, or {prompt, max_tokens}) run "
                             "greedily every --drift-probe-interval minutes at the lowest priority; their tokens and "

@@ -77,6 +77,7 @@ class ServerOptions:
     drift_probe: str | None = None  # a file of prompts whose greedy answers are checked against the start's
     drift_probe_interval: float = 10.0  # minutes between drift checks
     drift_logprob_tolerance: float = 1e-3  # a probe logprob further than this from its baseline is drift
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for a span per request (server/tracing.py)
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info: special tokens and the chat template
     responses_store_size: int = DEFAULT_STORE_SIZE  # Responses API: stored responses (LRU) for previous_response_id
     step_trace: str | None = None  # a file for one JSON line per model step (tokenmill sim calibrate reads it)
@@ -271,6 +272,8 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
             if task is not None:
                 task.cancel()
         await llm.shutdown()
+        if tracer is not None:
+            tracer.shutdown()
         gc.unfreeze()  # a process that goes on (tests, an embedding application) can collect them again
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
@@ -325,8 +328,17 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
-    def on_finished(endpoint: str, request_id: str, output: RequestOutput, lora: LoRARequest | None) -> None:
+    tracer = None
+    if options.otlp_traces_endpoint:
+        from tokenmill.server.tracing import RequestTracer
+
+        tracer = RequestTracer(options.otlp_traces_endpoint)
+
+    def on_finished(endpoint: str, request_id: str, output: RequestOutput, lora: LoRARequest | None,
+                    trace_context: Any = None) -> None:
         metrics.on_finished(output, endpoint, None if lora is None else lora.lora_name)
+        if tracer is not None:
+            tracer.on_finished(output, endpoint, model_name if lora is None else lora.lora_name, trace_context)
         if options.enable_log_requests:
             reasons = ",".join(str(c.finish_reason) for c in output.outputs)
             generated = sum(len(c.token_ids) for c in output.outputs)
@@ -357,7 +369,9 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
                             len(s.children[0].prompt_token_ids), params)
         deadline = None if options.request_timeout is None else time.monotonic() + options.request_timeout
         endpoint = http_request.url.path
-        merged = _merge(streams, lambda request_id, output: on_finished(endpoint, request_id, output, lora), deadline)
+        trace_context = None if tracer is None else tracer.context_from(http_request.headers)
+        merged = _merge(streams, lambda request_id, output: on_finished(endpoint, request_id, output, lora,
+                                                                        trace_context), deadline)
         if stream:
             return StreamingResponse(_sse(builder, merged), media_type="text/event-stream")
 
