@@ -21,7 +21,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
     defaults = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    g.add_argument("--model", default=None, action="append",
+                   help="GGUF file or HF directory (default: bundled SmolLM2-135M); serve: NAME=PATH, repeated, "
+                        "serves several models")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template itself) instead of the model's")
     g.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
@@ -116,11 +118,20 @@ def _cache_salt_source(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _one_model(models: list[str] | None) -> str | None:
+    """--model given once (or not at all): its path."""
+    if not models:
+        return None
+    if len(models) > 1:
+        raise SystemExit(f"--model given {len(models)} times: several models are served as --model NAME=PATH")
+    return models[0]
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from tokenmill.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
+        model=_one_model(args.model), chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
         device=args.device, dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
@@ -197,10 +208,14 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.server.app import ServerOptions, run_server
     from tokenmill.server.lora_api import parse_lora_modules
 
-    if args.model_path is not None:
-        if args.model is not None and args.model != args.model_path:
-            raise SystemExit(f"two models given: {args.model_path!r} and --model {args.model!r}")
-        args.model = args.model_path
+    named = [m for m in args.model or [] if "=" in m]
+    if named or args.model_dir:
+        if args.model_path is not None or len(named) != len(args.model or []):
+            raise SystemExit("several models are given as --model NAME=PATH (repeated) or --model-dir, not as paths")
+    elif args.model_path is not None:
+        if args.model is not None and args.model != [args.model_path]:
+            raise SystemExit(f"two models given: {args.model_path!r} and --model {_one_model(args.model)!r}")
+        args.model = [args.model_path]
 
     options = ServerOptions(
         served_model_name=args.served_model_name, api_key=args.api_key,
@@ -218,6 +233,13 @@ def _serve(args: argparse.Namespace) -> int:
         enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_dir=args.lora_dir,
         cache_salt_source=args.cache_salt_source,
     )
+    if named or args.model_dir:
+        from tokenmill.server.model_pool import models_in_dir, parse_model_specs, run_model_pool_server
+
+        models = parse_model_specs(named) | (models_in_dir(args.model_dir) if args.model_dir else {})
+        args.model = None
+        return run_model_pool_server(models, engine_config_from_args(args), host=args.host, port=args.port,
+                                     options=options, max_loaded=args.max_loaded_models, log_level=args.log_level)
     from tokenmill.encoder.config import resolve_task
     from tokenmill.model.metadata import resolve_model_path
 
@@ -293,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                        help="GGUF file or HF directory, as `vllm serve MODEL` (same as --model)")
+    serve.add_argument("--model-dir", default=None, metavar="DIR",
+                       help="serve every GGUF file and HF model directory in DIR, named by file; each loads on its "
+                            "first request")
+    serve.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                       help="with several models: at most N loaded, the least recently used idle one unloaded "
+                            "first (default: no limit)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"))

@@ -5,14 +5,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from types import FrameType
+from typing import Protocol
 
 import uvicorn
 
-from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.server.middleware import ServerState
 
 logger = logging.getLogger("tokenmill.server")
+
+
+class FrontEnd(Protocol):
+    """What the lifecycle needs of what it serves: one model's front end, or a pool of them."""
+
+    fatal_listeners: list[Callable[[BaseException], None]]
+
+    @property
+    def num_open_requests(self) -> int: ...
+
+    def fail_all(self, exc: BaseException) -> None: ...
 
 
 class ShuttingDownError(RuntimeError):
@@ -28,7 +40,7 @@ class GracefulServer(uvicorn.Server):
     and go when this process stops them. Only a second SIGINT (Ctrl-C twice at a terminal) cuts the drain
     short. uvicorn alone would close the listening socket at once, so clients would see refused connections."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, llm: AsyncLLM, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, llm: FrontEnd, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.state = state
         self.llm = llm

@@ -1,0 +1,92 @@
+"""Several models in one server (--model-dir, --model NAME=PATH): each loads on its first request, the least
+recently used idle one is unloaded past --max-loaded-models, two models answer side by side, an unknown model is a
+404, and a model that would not fit in memory is refused with the reason while the loaded ones go on."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.test_tool_calling_families import FAMILIES, write_tiny_gguf
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.server_process import live_server
+
+ASK = [{"role": "user", "content": "hi"}]
+SMALL = ("--max-model-len", "512", "--kv-cache-memory-gb", "0.05")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("models")
+    write_tiny_gguf(directory / "alpha.gguf", *FAMILIES["hermes"])
+    write_tiny_gguf(directory / "beta.gguf", *FAMILIES["llama3_json"], seed=1)
+    return directory
+
+
+def _states(url: str) -> dict[str, str]:
+    return {card["id"]: card["status"] for card in httpx.get(url + "/v1/models").json()["data"]}
+
+
+def _expected(path: Path) -> str:
+    """The model's own greedy answer, from an engine of its own."""
+    llm = LLM(str(path), max_model_len=512, kv_cache_memory_gb=0.05)
+    return llm.chat(ASK, SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].text
+
+
+def test_models_load_on_first_use_and_the_least_recently_used_unloads(model_dir: Path) -> None:
+    expected = {name: _expected(model_dir / f"{name}.gguf") for name in ("alpha", "beta")}
+    with live_server("--model-dir", str(model_dir), "--max-loaded-models", "1", *SMALL) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert _states(server.url) == {"alpha": "on_disk", "beta": "on_disk"}
+        for name, after in [("alpha", {"alpha": "loaded", "beta": "on_disk"}),
+                            ("beta", {"alpha": "on_disk", "beta": "loaded"}),
+                            ("alpha", {"alpha": "loaded", "beta": "on_disk"})]:
+            reply = client.chat.completions.create(model=name, messages=ASK, max_tokens=6, temperature=0)
+            assert reply.model == name and reply.choices[0].message.content == expected[name]
+            assert _states(server.url) == after
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.chat.completions.create(model="gamma", messages=ASK, max_tokens=2)
+        missing = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK})
+        assert missing.status_code == 400 and "name one in `model`" in missing.text
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'tokenmill:generation_tokens_total{model_name="alpha"}' in metrics
+
+
+def test_two_models_answer_side_by_side(model_dir: Path) -> None:
+    models = [f"--model=one={model_dir / 'alpha.gguf'}", f"--model=two={model_dir / 'beta.gguf'}"]
+    with live_server(*models, *SMALL) as server:
+        results: dict[str, Any] = {}
+
+        def ask(name: str) -> None:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+            chunks = client.chat.completions.create(model=name, messages=ASK, max_tokens=24, temperature=0,
+                                                    stream=True)
+            results[name] = [c.model for c in chunks]
+
+        threads = [threading.Thread(target=ask, args=(name,)) for name in ("one", "two")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert set(results["one"]) == {"one"} and set(results["two"]) == {"two"}
+        assert _states(server.url) == {"one": "loaded", "two": "loaded"}
+
+
+def test_a_model_that_does_not_fit_is_refused_and_the_others_go_on(model_dir: Path, tmp_path: Path) -> None:
+    huge = tmp_path / "huge.gguf"
+    with open(huge, "wb") as f:
+        f.truncate(2 * 2**40)  # sparse: 2 TiB by its size, nothing on disk
+    models = [f"--model=small={model_dir / 'alpha.gguf'}", f"--model=huge={huge}"]
+    with live_server(*models, *SMALL) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert client.chat.completions.create(model="small", messages=ASK, max_tokens=3).choices
+        with pytest.raises(openai.APIStatusError, match="needs about .* GiB .* available: not loaded") as refused:
+            client.chat.completions.create(model="huge", messages=ASK, max_tokens=3)
+        assert refused.value.status_code == 503
+        assert _states(server.url) == {"small": "loaded", "huge": "on_disk"}
+        assert client.chat.completions.create(model="small", messages=ASK, max_tokens=3).choices
