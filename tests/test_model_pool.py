@@ -90,3 +90,64 @@ def test_a_model_that_does_not_fit_is_refused_and_the_others_go_on(model_dir: Pa
         assert refused.value.status_code == 503
         assert _states(server.url) == {"small": "loaded", "huge": "on_disk"}
         assert client.chat.completions.create(model="small", messages=ASK, max_tokens=3).choices
+
+
+def _admin(url: str, method: str, path: str, key: str | None = "secret", **kwargs: Any) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.request(method, url + path, headers=headers, timeout=120, **kwargs)
+
+
+def test_a_swap_under_load_loses_nothing_and_failed_swaps_roll_back(model_dir: Path, tmp_path: Path) -> None:
+    versions = tmp_path / "versions"
+    versions.mkdir()
+    write_tiny_gguf(versions / "chat.gguf", *FAMILIES["hermes"])
+    write_tiny_gguf(versions / "chat-v2.gguf", *FAMILIES["hermes"])  # the same weights, written again
+    write_tiny_gguf(versions / "other.gguf", *FAMILIES["hermes"], seed=5)  # another model
+    (versions / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)
+    (versions / "escape.gguf").symlink_to(model_dir / "alpha.gguf")  # points outside the directory
+    with live_server("--model-dir", str(versions), "--admin-api-key", "secret", *SMALL) as server:
+        url = server.url
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        before = client.chat.completions.create(model="chat", messages=ASK, max_tokens=8, temperature=0)
+        # a long stream on version 1 while version 2 takes over
+        streamed: list[str] = []
+        errors: list[BaseException] = []
+
+        def stream() -> None:
+            try:
+                for chunk in client.chat.completions.create(model="chat", messages=ASK, max_tokens=400,
+                                                            temperature=0, stream=True,
+                                                            extra_body={"ignore_eos": True}):
+                    streamed.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        while not streamed:
+            pass
+        swap = _admin(url, "POST", "/admin/models/chat/reload", json={"path": str(versions / "chat-v2.gguf")})
+        assert swap.status_code == 200, swap.text
+        assert swap.json()["version"] == 2 and swap.json()["agreement"] == 1.0
+        after = client.chat.completions.create(model="chat", messages=ASK, max_tokens=8, temperature=0)
+        assert after.choices[0].message.content == before.choices[0].message.content
+        thread.join(120)
+        assert not errors and len(streamed) > 300  # the old version finished its stream
+        listing = {m["id"]: m for m in _admin(url, "GET", "/admin/models").json()["data"]}["chat"]
+        assert listing["version"] == 2 and listing["path"].endswith("chat-v2.gguf")
+
+        # another model fails the probe, a broken file fails to load: version 2 goes on serving
+        for path, reason in [("other.gguf", "probe agreement"), ("broken.gguf", "failed to load")]:
+            refused = _admin(url, "POST", "/admin/models/chat/reload", json={"path": str(versions / path)})
+            assert refused.status_code == 409 and "rolled back" in refused.text and reason in refused.text
+            again = client.chat.completions.create(model="chat", messages=ASK, max_tokens=8, temperature=0)
+            assert again.choices[0].message.content == before.choices[0].message.content
+        states = [v["state"] for v in {m["id"]: m for m in _admin(url, "GET", "/admin/models").json()[
+            "data"]}["chat"]["versions"]]
+        assert states[1:] == ["serving", "failed", "failed"] and states[0] in ("draining", "retired")
+
+        # the admin API wants its key; paths outside the directory (a symlink, `..`) are refused
+        assert _admin(url, "GET", "/admin/models", key=None).status_code == 401
+        assert _admin(url, "GET", "/admin/models", key="wrong").status_code == 401
+        for path in [str(versions / "escape.gguf"), str(versions / ".." / "elsewhere.gguf"), "/etc/passwd"]:
+            assert _admin(url, "POST", "/admin/models/chat/reload", json={"path": path}).status_code == 403

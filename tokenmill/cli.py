@@ -239,7 +239,9 @@ def _serve(args: argparse.Namespace) -> int:
         models = parse_model_specs(named) | (models_in_dir(args.model_dir) if args.model_dir else {})
         args.model = None
         return run_model_pool_server(models, engine_config_from_args(args), host=args.host, port=args.port,
-                                     options=options, max_loaded=args.max_loaded_models, log_level=args.log_level)
+                                     options=options, max_loaded=args.max_loaded_models, log_level=args.log_level,
+                                     model_dir=args.model_dir, admin_api_key=args.admin_api_key,
+                                     swap_min_agreement=args.swap_min_agreement)
     from tokenmill.encoder.config import resolve_task
     from tokenmill.model.metadata import resolve_model_path
 
@@ -321,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
                        help="with several models: at most N loaded, the least recently used idle one unloaded "
                             "first (default: no limit)")
+    serve.add_argument("--admin-api-key", default=os.environ.get("TOKENMILL_ADMIN_API_KEY"),
+                       help="with several models: the key of the admin API (GET /admin/models, POST "
+                            "/admin/models/NAME/reload {path}); off without one")
+    serve.add_argument("--swap-min-agreement", type=float, default=0.5, metavar="SHARE",
+                       help="a reloaded version serves only if it answers the probe prompts (--drift-probe, or a "
+                            "few fixed ones) greedily with at least this share of the serving version's tokens")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"))

@@ -14,6 +14,7 @@ its event loop.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -267,5 +268,8 @@ class ProcessReplica(Replica):
     def stop(self, timeout: float = 10.0) -> None:
         self._closing.set()  # the reader reports no exit for a process told to go
         if self._commands is not None and self._process_alive():
-            self._commands.send_pyobj((0, "shutdown", None))
+            # never blocks: a core that is exiting (one that failed to start) may no longer take it, and a PUSH
+            # socket without a peer would wait forever; _shut_process stops the process either way
+            with contextlib.suppress(zmq.Again):
+                self._commands.send_pyobj((0, "shutdown", None), zmq.NOBLOCK)
         self._shut_process(timeout)

@@ -110,6 +110,25 @@ class DriftMetrics:
             self.drifted.labels(self.model_name).inc()
 
 
+async def probe_answers(llm: AsyncLLM, probes: list[Probe], tag: str) -> list[ProbeAnswer]:
+    """Each probe's greedy answer from this engine, at the lowest priority. `tag` names the run: it is the
+    requests' id prefix and their cache salt, so a prompt is computed whole every time, as at the baseline (a
+    prefix-cache hit computes the last prompt token in a step of another shape, and float sums in another order
+    move its logprobs by 1e-5 where the tokens stay the same)."""
+
+    async def answer(index: int, probe: Probe) -> ProbeAnswer:
+        params = SamplingParams(max_tokens=probe.max_tokens, temperature=0.0, logprobs=0)
+        last = None
+        async for output in llm.generate(f"{tag}-{index}", salted(probe.prompt, tag), params, LOWEST_PRIORITY):
+            last = output
+        assert last is not None
+        completion = last.outputs[0]
+        return ProbeAnswer(list(completion.token_ids),
+                           [entry[token] for entry, token in zip(completion.logprobs or [], completion.token_ids)])
+
+    return list(await asyncio.gather(*(answer(i, p) for i, p in enumerate(probes))))
+
+
 class DriftMonitor:
     def __init__(self, llm: AsyncLLM, probes: list[Probe], interval_s: float, metrics: DriftMetrics,
                  tolerance: float = 0.0) -> None:
@@ -118,27 +137,11 @@ class DriftMonitor:
         self.probes = probes
         self.interval_s = interval_s
         self.metrics = metrics
-        self._ids = itertools.count()
         self._runs = itertools.count()
         self.baseline: list[ProbeAnswer] | None = None
 
-    async def _answer(self, probe: Probe, run: int) -> ProbeAnswer:
-        params = SamplingParams(max_tokens=probe.max_tokens, temperature=0.0, logprobs=0)
-        # a salt of its own per run: the prompt is computed whole every time, as at the baseline (a prefix-cache
-        # hit computes the last prompt token in a step of another shape, and float sums in another order move its
-        # logprobs by 1e-5 where the tokens stay the same)
-        prompt = salted(probe.prompt, f"tokenmill-drift-probe-{run}")
-        last = None
-        async for output in self.llm.generate(f"drift-probe-{next(self._ids)}", prompt, params, LOWEST_PRIORITY):
-            last = output
-        assert last is not None
-        completion = last.outputs[0]
-        return ProbeAnswer(list(completion.token_ids),
-                           [entry[token] for entry, token in zip(completion.logprobs or [], completion.token_ids)])
-
     async def run_probes(self) -> list[ProbeAnswer]:
-        run = next(self._runs)
-        return list(await asyncio.gather(*(self._answer(p, run) for p in self.probes)))
+        return await probe_answers(self.llm, self.probes, f"tokenmill-drift-probe-{next(self._runs)}")
 
     async def check(self) -> DriftReport:
         """Run the probes; the first run is the baseline."""

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncLLM
     from tokenmill.server.app import ServerOptions
+    from tokenmill.server.model_swap import ModelAdmin
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -73,21 +74,33 @@ def available_memory() -> int:
 
 
 @dataclass
-class _Loaded:
+class LoadedModel:
+    """One loaded version of a model."""
+
     llm: AsyncLLM
     app: FastAPI
     lifespan: AbstractAsyncContextManager[Any]
+    path: str
+    version: int
+    in_flight: int = 0  # HTTP requests inside its app
+
+    async def close(self) -> None:
+        await self.lifespan.__aexit__(None, None, None)
 
 
 @dataclass
 class ModelEntry:
     name: str
     path: str
-    loaded: _Loaded | None = None
-    loading: asyncio.Task[_Loaded] | None = None
+    loaded: LoadedModel | None = None
+    loading: asyncio.Task[LoadedModel] | None = None
     last_used: float = field(default_factory=time.monotonic)
-    in_flight: int = 0
     last_error: str | None = None
+    versions: list[dict[str, Any]] = field(default_factory=list)  # every version loaded or tried (admin API)
+
+    @property
+    def in_flight(self) -> int:
+        return self.loaded.in_flight if self.loaded else 0
 
     @property
     def state(self) -> str:
@@ -110,7 +123,9 @@ class ModelPool:
 
             start = start_front_end
         self._start = start
-        self._lock = asyncio.Lock()  # one load or unload at a time: the memory check sees the others done
+        # one engine start or stop at a time: the memory check sees the others done, and engine cores are never
+        # started while others stop
+        self.lock = asyncio.Lock()
 
     # ------------------------------------------------------------ what the lifecycle asks of a front end
 
@@ -144,15 +159,17 @@ class ModelPool:
                 raise APIError(503, f"the model `{name}` failed to load: {exc}", "service_unavailable") from exc
         return entry
 
-    async def _load(self, entry: ModelEntry) -> _Loaded:
+    async def _load(self, entry: ModelEntry) -> LoadedModel:
         try:
-            async with self._lock:
+            async with self.lock:
                 await self._make_room()
-                self._check_memory(entry)
+                self.check_memory(entry)
                 logger.info("loading model %s from %s", entry.name, entry.path)
                 started = time.monotonic()
-                loaded = await self._launch(entry)
+                loaded = await self.launch(entry, entry.path, len(entry.versions) + 1)
                 entry.loaded, entry.last_error = loaded, None
+                entry.versions.append({"version": loaded.version, "path": entry.path, "state": "serving",
+                                       "loaded_at": int(time.time())})
                 logger.info("model %s loaded in %.1f s", entry.name, time.monotonic() - started)
                 return loaded
         except BaseException as exc:
@@ -161,20 +178,23 @@ class ModelPool:
         finally:
             entry.loading = None
 
-    async def _launch(self, entry: ModelEntry) -> _Loaded:
+    async def launch(self, entry: ModelEntry, path: str, version: int) -> LoadedModel:
+        """Version `version` of the model from `path`, started and serving its own app (not yet the entry's)."""
         from tokenmill.server.app import build_app
 
         options = replace(self.options, served_model_name=entry.name)
-        llm = await asyncio.to_thread(self._start, replace(self.config, model=entry.path), options, self.log_level)
+        llm = await asyncio.to_thread(self._start, replace(self.config, model=path), options, self.log_level)
         app = build_app(llm, options, ServerState())
         lifespan = app.router.lifespan_context(app)
         await lifespan.__aenter__()
-        llm.fatal_listeners.append(lambda exc: self._on_model_death(entry, exc))
-        return _Loaded(llm, app, lifespan)
+        loaded = LoadedModel(llm, app, lifespan, path, version)
+        llm.fatal_listeners.append(lambda exc: self._on_model_death(entry, loaded, exc))
+        return loaded
 
-    def _check_memory(self, entry: ModelEntry) -> None:
-        weights = os.path.getsize(entry.path) if os.path.isfile(entry.path) else sum(
-            p.stat().st_size for p in Path(entry.path).glob("*.safetensors"))
+    def check_memory(self, entry: ModelEntry, path: str | None = None) -> None:
+        path = path or entry.path
+        weights = os.path.getsize(path) if os.path.isfile(path) else sum(
+            p.stat().st_size for p in Path(path).glob("*.safetensors"))
         needed = weights + int(self.config.kv_cache_memory_gb * 2**30) + LOAD_OVERHEAD_BYTES
         free = available_memory()
         if needed > free:
@@ -198,14 +218,25 @@ class ModelPool:
     async def _unload(self, entry: ModelEntry) -> None:
         loaded, entry.loaded = entry.loaded, None
         if loaded is not None:
-            logger.info("unloading model %s (least recently used)", entry.name)
-            await loaded.lifespan.__aexit__(None, None, None)
+            logger.info("unloading model %s", entry.name)
+            self.set_state(entry, loaded.version, "unloaded")
+            await loaded.close()
 
-    def _on_model_death(self, entry: ModelEntry, exc: BaseException) -> None:
+    def set_state(self, entry: ModelEntry, version: int, state: str, **details: Any) -> None:
+        for record in entry.versions:
+            if record["version"] == version:
+                record.update(state=state, **details)
+
+    def _on_model_death(self, entry: ModelEntry, loaded: LoadedModel, exc: BaseException) -> None:
         logger.error("model %s: its engine died (%r); it loads again on its next request", entry.name, exc)
-        loaded, entry.loaded = entry.loaded, None
-        if loaded is not None:
-            asyncio.ensure_future(loaded.lifespan.__aexit__(None, None, None))
+        if entry.loaded is loaded:
+            entry.loaded = None
+        self.set_state(entry, loaded.version, "died")
+        asyncio.ensure_future(self.close(loaded))
+
+    async def close(self, loaded: LoadedModel) -> None:
+        async with self.lock:
+            await loaded.close()
 
     async def shutdown(self) -> None:
         for entry in self.entries.values():
@@ -247,11 +278,12 @@ class _Merged(Collector):
 
 
 class ModelRouterApp:
-    """The ASGI app of a several-model server: the pool's /v1/models, /health and /metrics; every other request
-    to the app of the model its JSON body names."""
+    """The ASGI app of a several-model server: the pool's /v1/models, /health and /metrics, the admin API
+    (server/model_swap.py); every other request to the app of the model its JSON body names."""
 
-    def __init__(self, pool: ModelPool) -> None:
+    def __init__(self, pool: ModelPool, admin: ModelAdmin | None = None) -> None:
         self.pool = pool
+        self.admin = admin
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -277,6 +309,9 @@ class ModelRouterApp:
             body += message.get("body", b"")
             if not message.get("more_body", False):
                 break
+        if path.startswith("/admin/"):
+            await self._admin(scope, body, send)
+            return
         try:
             requested = json.loads(body).get("model") if body else None
         except (ValueError, AttributeError):
@@ -297,12 +332,30 @@ class ModelRouterApp:
         async def replay() -> Any:
             return replayed.pop() if replayed else await receive()
 
-        entry.in_flight += 1
+        loaded = entry.loaded  # a swap may replace it meanwhile: this request stays with its version
+        loaded.in_flight += 1
         try:
-            await entry.loaded.app(scope, replay, send)
+            await loaded.app(scope, replay, send)
         finally:
-            entry.in_flight -= 1
+            loaded.in_flight -= 1
             entry.last_used = time.monotonic()
+
+    async def _admin(self, scope: Scope, body: bytes, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        try:
+            if self.admin is None:
+                raise APIError(403, "the admin API is off (start the server with --admin-api-key)",
+                               "permission_error")
+            self.admin.check_key(scope)
+            parts = path.strip("/").split("/")
+            if method == "GET" and parts == ["admin", "models"]:
+                await _json(send, 200, self.admin.listing())
+            elif method == "POST" and len(parts) == 4 and parts[:2] == ["admin", "models"] and parts[3] == "reload":
+                await _json(send, 200, await self.admin.reload(parts[2], body))
+            else:
+                raise APIError(404, f"no admin endpoint {method} {path}", "not_found_error")
+        except APIError as exc:
+            await _json(send, exc.status, error_body(exc.status, exc.message, exc.err_type, exc.param))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -326,7 +379,9 @@ async def _raw(send: Send, status: int, body: bytes, content_type: str) -> None:
 
 
 def run_model_pool_server(models: dict[str, str], config: EngineConfig, host: str, port: int,
-                          options: ServerOptions, max_loaded: int | None, log_level: str) -> int:
+                          options: ServerOptions, max_loaded: int | None, log_level: str,
+                          model_dir: str | None = None, admin_api_key: str | None = None,
+                          swap_min_agreement: float = 0.5) -> int:
     """Serve several models until SIGTERM (drain, then exit status 0)."""
     import signal
     import sys
@@ -341,7 +396,14 @@ def run_model_pool_server(models: dict[str, str], config: EngineConfig, host: st
         raise SystemExit("--max-loaded-models must be at least 1")
     state = ServerState()
     pool = ModelPool(models, config, options, max_loaded, log_level)
-    app = RequestGate(ModelRouterApp(pool), state, options.max_request_body_bytes)
+    from tokenmill.server.drift import load_probes
+    from tokenmill.server.model_swap import ModelAdmin
+
+    # a new version may come from the model directory, or from where the configured models are
+    roots = [model_dir] if model_dir else sorted({str(Path(p).parent) for p in models.values()})
+    admin = ModelAdmin(pool, admin_api_key, roots, load_probes(options.drift_probe) if options.drift_probe else None,
+                       swap_min_agreement)
+    app = RequestGate(ModelRouterApp(pool, admin), state, options.max_request_body_bytes)
     logger.info("serving %d models on http://%s:%d, each loaded on its first request%s: %s", len(models), host, port,
                 f" (at most {max_loaded} at once)" if max_loaded else "", ", ".join(models))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(state.exit_code))
