@@ -13,6 +13,15 @@ import torch
 from tokenmill import LLM, BeamSearchParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    """An engine of this module's own: beam search's traffic (hundreds of one-token requests sharing prefixes)
+    stays out of the session's shared engine, whose prefix cache later tests read."""
+    from tests.conftest import DEVICE
+
+    return LLM(device=DEVICE, quantization="none")
 CHATS = [[{"role": "user", "content": "What is the capital of Japan?"}],
          [{"role": "user", "content": "What is 12 * 12?"}]]
 
