@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import fields
@@ -48,6 +49,9 @@ class LLM:
             if unknown:
                 raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
             config = EngineConfig(model=model, **engine_args)
+        # request ids never repeat (vLLM's counter): an id reused by the next generate() call could meet state its
+        # finished namesake left behind
+        self._request_counter = itertools.count()
         self.task, encoder = resolve_task(resolve_model_path(config.model), config.task)
         # an encoder embeds in its own engine; a decoder (generating or embedding) runs in the LLM engine
         self.embedder: EmbeddingEngine | None = None
@@ -139,7 +143,7 @@ class LLM:
                 raise ValueError("give one SamplingParams or one per prompt")
         ids = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            ids.append(self.engine.add_request(f"offline-{id(self)}-{i}", prompt, params,
+            ids.append(self.engine.add_request(f"offline-{id(self)}-{next(self._request_counter)}", prompt, params,
                                                priority=priority[i] if priority else 0, lora_request=loras[i]))
         return self._run(ids, use_tqdm)
 
