@@ -221,6 +221,11 @@ def json_value_end(text: str, start: int) -> int | None:
     return None
 
 
+def skip_whitespace(text: str, pos: int) -> int:
+    """Where the text after `pos` stops being whitespace (between a format's markers and its calls)."""
+    return len(text) - len(text[pos:].lstrip()) if pos < len(text) else pos
+
+
 def _skip_space(text: str, pos: int) -> int:
     while pos < len(text) and text[pos] in " \t\r\n":
         pos += 1

@@ -20,6 +20,7 @@ from tokenmill.tool_parsers.base import (
     json_call,
     json_call_rules,
     scan_blocks,
+    skip_whitespace,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -57,7 +58,7 @@ class HermesParser(ToolParser):
             scan.calls.append(call)
             if obj.end is None:
                 return scan
-            following = _skip_space(text, obj.end)
+            following = skip_whitespace(text, obj.end)
             if following < len(text) and text[following] == "{":
                 pos = following
                 continue
@@ -77,12 +78,8 @@ class HermesParser(ToolParser):
         return f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}\n{END}'
 
 
-def _skip_space(text: str, pos: int) -> int:
-    return len(text) - len(text[pos:].lstrip()) if pos < len(text) else pos
-
-
 def _block(text: str, body: int, final: bool) -> tuple[PartialCall | None, int]:
-    body = _skip_space(text, body)
+    body = skip_whitespace(text, body)
     call, obj = json_call(text, body)
     # the end tag after the call's object (its strings may hold the tag's text); an open object goes on, a broken
     # one ends at the tag

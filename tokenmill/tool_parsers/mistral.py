@@ -18,15 +18,11 @@ from tokenmill.tool_parsers.base import (
     json_call,
     json_call_rules,
     json_value_end,
+    skip_whitespace,
 )
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAMED = re.compile(r"([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*")
-_SPACE = re.compile(r"\s*")
-
-
-def _skip(text: str, pos: int) -> int:
-    return _SPACE.match(text, pos).end()  # type: ignore[union-attr]  # matches any text
 
 
 class MistralParser(ToolParser):
@@ -40,13 +36,13 @@ class MistralParser(ToolParser):
         scan = Scan(content=text[:start])
         pos = start + len(TOOL_CALLS)
         while True:
-            pos = _skip(text, pos)
+            pos = skip_whitespace(text, pos)
             if pos >= len(text):
                 return scan
             end = self._list(text, pos, scan) if text[pos] == "[" else self._named(text, pos, scan, final)
             if end is None:  # open (or broken: then the rest is content)
                 return scan
-            pos = _skip(text, end)
+            pos = skip_whitespace(text, end)
             if text.startswith(TOOL_CALLS, pos):
                 pos += len(TOOL_CALLS)
                 continue
@@ -59,7 +55,7 @@ class MistralParser(ToolParser):
         """Calls in a JSON list from text[pos] == "[": where the list ends, None while open."""
         pos += 1
         while True:
-            pos = _skip(text, pos)
+            pos = skip_whitespace(text, pos)
             if pos >= len(text):
                 return None
             if text[pos] == "]":
