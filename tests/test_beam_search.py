@@ -10,18 +10,11 @@ import httpx
 import pytest
 import torch
 
-from tokenmill import LLM, BeamSearchParams
+from tokenmill import LLM, BeamSearchParams, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    """An engine of this module's own: beam search's traffic (hundreds of one-token requests sharing prefixes)
-    stays out of the session's shared engine, whose prefix cache later tests read."""
-    from tests.conftest import DEVICE
-
-    return LLM(device=DEVICE, quantization="none")
 CHATS = [[{"role": "user", "content": "What is the capital of Japan?"}],
          [{"role": "user", "content": "What is 12 * 12?"}]]
 
@@ -55,6 +48,14 @@ def test_beam_search_matches_transformers(llm: LLM, hf_model: Any, params: BeamS
         ended += sum(s.finished for s in output.sequences)
         assert all(s.text == llm.tokenizer.decode(s.tokens) for s in output.sequences)
     assert ended  # some hypotheses ended with end-of-sequence, the rest at max_tokens
+    # the blocks the search cached are sound: greedy answers read them and still equal transformers'
+    hits = llm.engine.core.kv.prefix_hits
+    greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8))
+    assert llm.engine.core.kv.prefix_hits > hits
+    for prompt, output in zip(prompts, greedy):
+        expected = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, pad_token_id=eos[0])
+        tokens = list(output.outputs[0].token_ids)
+        assert tokens == expected[0, len(prompt):].tolist()[:len(tokens)]
 
 
 def test_completions_beam_search_over_http(base_url: str, llm: LLM) -> None:
