@@ -151,3 +151,40 @@ def test_a_swap_under_load_loses_nothing_and_failed_swaps_roll_back(model_dir: P
         assert _admin(url, "GET", "/admin/models", key="wrong").status_code == 401
         for path in [str(versions / "escape.gguf"), str(versions / ".." / "elsewhere.gguf"), "/etc/passwd"]:
             assert _admin(url, "POST", "/admin/models/chat/reload", json={"path": path}).status_code == 403
+
+
+def test_an_adapter_attaches_to_its_base_model(model_dir: Path, tmp_path: Path, hf_model: Any,
+                                               model_path: str) -> None:
+    """`--lora-modules` in vLLM's JSON form names the adapter's base model: a request for the adapter loads that
+    model and is answered with the adapter on (as an engine of its own answers it), `/v1/models` lists it under
+    its parent, and an adapter that names no base (or one not served) is refused at start."""
+    import json
+
+    from tests.test_lora import _make_adapter
+    from tokenmill.lora.request import LoRARequest
+    from tokenmill.server.lora_api import LoRAModule
+    from tokenmill.server.model_pool import attach_adapters
+
+    adapter = _make_adapter(hf_model, tmp_path / "pirate", 0, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    llm = LLM(model_path, enable_lora=True, max_lora_rank=8, max_model_len=512, kv_cache_memory_gb=0.05)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = llm.chat(ASK, params, lora_request=LoRARequest("pirate", 1, str(adapter)))[0].outputs[0].text
+    base = llm.chat(ASK, params)[0].outputs[0].text
+    assert expected != base  # the adapter changes the answer
+    spec = json.dumps({"name": "pirate", "path": str(adapter), "base_model_name": "smol"})
+    models = [f"--model=smol={model_path}", f"--model=tiny={model_dir / 'alpha.gguf'}"]
+    with live_server(*models, "--enable-lora", "--max-lora-rank", "8", "--lora-modules", spec, *SMALL) as server:
+        cards = {card["id"]: card for card in httpx.get(server.url + "/v1/models").json()["data"]}
+        assert cards["pirate"]["parent"] == "smol" and cards["pirate"]["status"] == "on_disk"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="pirate", messages=ASK, max_tokens=8, temperature=0)
+        assert reply.model == "pirate" and reply.choices[0].message.content == expected
+        assert _states(server.url) == {"smol": "loaded", "tiny": "on_disk", "pirate": "loaded"}
+        reply = client.chat.completions.create(model="smol", messages=ASK, max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content == base
+    names = ["smol", "tiny"]
+    with pytest.raises(ValueError, match="name the adapter's base model"):
+        attach_adapters([LoRAModule("pirate", str(adapter))], names)
+    with pytest.raises(ValueError, match="not served"):
+        attach_adapters([LoRAModule("pirate", str(adapter), "gone")], names)
+    assert attach_adapters([LoRAModule("pirate", str(adapter))], ["smol"]) == {"pirate": "smol"}

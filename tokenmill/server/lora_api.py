@@ -26,16 +26,19 @@ from tokenmill.server.errors import APIError
 class LoRAModule:
     name: str
     path: str
+    base_model_name: str | None = None  # a several-model server: the model the adapter belongs to
 
 
 def parse_lora_modules(values: list[str]) -> list[LoRAModule]:
-    """`--lora-modules` entries: `name=path`, or vLLM's JSON form `{"name": ..., "path": ...}`."""
+    """`--lora-modules` entries: `name=path`, or vLLM's JSON form `{"name": ..., "path": ...,
+    "base_model_name": ...}` (the base model optional where the server serves one)."""
     modules = []
     for value in values:
         if value.lstrip().startswith("{"):
             try:
                 spec = json.loads(value)
-                modules.append(LoRAModule(str(spec["name"]), str(spec["path"])))
+                base = spec.get("base_model_name")
+                modules.append(LoRAModule(str(spec["name"]), str(spec["path"]), None if base is None else str(base)))
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"--lora-modules {value!r}: expected {{\"name\": ..., \"path\": ...}}") from exc
             continue

@@ -1,8 +1,9 @@
 """Several models in one server (`--model NAME=PATH` repeated, or `--model-dir DIR`): each model is a whole
 single-model API (server/app.py over engine cores of its own), loaded on its first request and unloaded, the
 least recently used idle one first, past `--max-loaded-models`. A request goes to the API its body's `model`
-names; requests for a model that is loading wait for it (bounded); an unknown model is a 404. A load that would
-not fit in the memory left is refused with the reason, and the models already loaded go on."""
+names (an adapter's request goes to its base model's: `--lora-modules` entries name their `base_model_name`);
+requests for a model that is loading wait for it (bounded); an unknown model is a 404. A load that would not fit
+in the memory left is refused with the reason, and the models already loaded go on."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncLLM
     from tokenmill.server.app import ServerOptions
+    from tokenmill.server.lora_api import LoRAModule
     from tokenmill.server.model_swap import ModelAdmin
 
 logger = logging.getLogger("tokenmill.server")
@@ -62,6 +64,24 @@ def parse_model_specs(specs: list[str]) -> dict[str, str]:
             raise SystemExit(f"--model: {name!r} given twice")
         models[name] = path
     return models
+
+
+def attach_adapters(modules: list[LoRAModule], models: Collection[str]) -> dict[str, str]:
+    """Adapter name -> its base model's name. Each adapter names its base (vLLM's JSON form of --lora-modules,
+    `base_model_name`), unless one model is served."""
+    bases: dict[str, str] = {}
+    for module in modules:
+        base = module.base_model_name or (next(iter(models)) if len(models) == 1 else None)
+        if base is None:
+            raise ValueError(f"--lora-modules {module.name}: this server serves several models; name the adapter's "
+                             'base model: {"name": ..., "path": ..., "base_model_name": ...}')
+        if base not in models:
+            raise ValueError(f"--lora-modules {module.name}: its base model {base!r} is not served "
+                             f"({', '.join(models)})")
+        if module.name in models or module.name in bases:
+            raise ValueError(f"--lora-modules {module.name}: the name is already a model's or another adapter's")
+        bases[module.name] = base
+    return bases
 
 
 def available_memory() -> int:
@@ -114,6 +134,9 @@ class ModelPool:
         self.entries = {name: ModelEntry(name, path) for name, path in models.items()}
         self.config = config
         self.options = options
+        self.adapters = attach_adapters(options.lora_modules, models)  # adapter name -> base model name
+        if self.adapters and not config.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         self.max_loaded = max_loaded
         self.log_level = log_level
         self.load_timeout_s = load_timeout_s
@@ -141,10 +164,11 @@ class ModelPool:
     # ------------------------------------------------------------ loading
 
     async def app_for(self, name: str) -> ModelEntry:
-        entry = self.entries.get(name)
+        """The entry serving `name` (a model, or an adapter: its base model), loaded."""
+        entry = self.entries.get(self.adapters.get(name, name))
         if entry is None:
-            raise APIError(404, f"the model `{name}` does not exist (served: {', '.join(self.entries)})",
-                           "not_found_error", "model")
+            raise APIError(404, f"the model `{name}` does not exist (served: "
+                           f"{', '.join([*self.entries, *self.adapters])})", "not_found_error", "model")
         entry.last_used = time.monotonic()
         if entry.loaded is None:
             if entry.loading is None:
@@ -182,7 +206,8 @@ class ModelPool:
         """Version `version` of the model from `path`, started and serving its own app (not yet the entry's)."""
         from tokenmill.server.app import build_app
 
-        options = replace(self.options, served_model_name=entry.name)
+        options = replace(self.options, served_model_name=entry.name, lora_modules=[
+            module for module in self.options.lora_modules if self.adapters[module.name] == entry.name])
         llm = await asyncio.to_thread(self._start, replace(self.config, model=path), options, self.log_level)
         app = build_app(llm, options, ServerState())
         lifespan = app.router.lifespan_context(app)
@@ -248,11 +273,14 @@ class ModelPool:
 
     def cards(self) -> dict[str, Any]:
         created = int(time.time())
+        paths = {module.name: module.path for module in self.options.lora_modules}
         return {"object": "list", "data": [
             {"id": e.name, "object": "model", "created": created, "owned_by": "tokenmill", "status": e.state}
             | ({"max_model_len": e.loaded.llm.max_model_len} if e.loaded else {})
             | ({"last_error": e.last_error} if e.last_error and not e.loaded else {})
-            for e in self.entries.values()]}
+            for e in self.entries.values()] + [
+            {"id": name, "object": "model", "created": created, "owned_by": "tokenmill", "root": paths[name],
+             "parent": base, "status": self.entries[base].state} for name, base in self.adapters.items()]}
 
     def metrics(self) -> bytes:
         """Every loaded model's metrics in one exposition (their series carry model_name)."""
@@ -395,7 +423,10 @@ def run_model_pool_server(models: dict[str, str], config: EngineConfig, host: st
     if max_loaded is not None and max_loaded < 1:
         raise SystemExit("--max-loaded-models must be at least 1")
     state = ServerState()
-    pool = ModelPool(models, config, options, max_loaded, log_level)
+    try:
+        pool = ModelPool(models, config, options, max_loaded, log_level)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     from tokenmill.server.drift import load_probes
     from tokenmill.server.model_swap import ModelAdmin
 
