@@ -5,7 +5,7 @@ reads against this machine's memory bandwidth (measured in the same run).
 Models: the bundled SmolLM2 (Q4_1/Q8_0) and every file `python -m tests.real_models` fetched. The model runner
 is driven directly (bench_model.py's decode and prefill loops), so the numbers are the model step itself.
 `python benchmarks/bench_gguf.py [--runs N]` prints the table and writes the "gguf" section of
-docs/BENCHMARKS.md.
+docs/BENCHMARKS.md; under `TOKENMILL_ISA=LEVEL` (a lower instruction-set level's kernels) the "gguf-LEVEL" one.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tokenmill.executor.model_runner import ModelRunner  # noqa: E402
 from tokenmill.model.gguf_linear import GGUFLinear  # noqa: E402
 from tokenmill.model.loader import bundled_model_path, load_model  # noqa: E402
 from tokenmill.model.quant import Int8Linear, QuantLinear  # noqa: E402
+from tokenmill.platform import isa_level  # noqa: E402
 
 MODES = ("int8", "gguf")
 
@@ -92,16 +93,21 @@ def main() -> None:
     print(table)
     if args.no_write:
         return
-    text = (f"## GGUF blocks executed as stored vs int8 (`python benchmarks/bench_gguf.py`)\n\n"
+    level = isa_level()
+    command = f"{'' if level is None else f'TOKENMILL_ISA={level} '}python benchmarks/bench_gguf.py --runs {args.runs}"
+    text = (f"## GGUF blocks executed as stored vs int8{'' if level is None else f', {level} kernels'} "
+            f"(`python benchmarks/bench_gguf.py`)\n\n"
             f"Machine: {machine_description()}; memory {mem:.1f} GB/s measured in the same run. "
-            f"`python benchmarks/bench_gguf.py --runs {args.runs}`: the model runner alone (no scheduler), "
+            f"`{command}`: the model runner alone (no scheduler), "
             f"decode after a 128-token prompt, median (min-max) of {args.runs} alternating runs.\n\n{table}\n\n"
             "`gguf` executes the file's blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K; other tensors int8) with "
-            "kernels/gguf_matmul.c (its row panels where they pay); `int8` re-quantizes every tensor to int8 per "
-            "output channel and runs the grouped int8 kernel. Both run every layer in the one-call native "
+            "the row panels of kernels/gguf_panels.c (AVX512-VNNI or AVX2; else kernels/gguf_matmul.c); `int8` "
+            "re-quantizes every tensor to int8 per output channel and runs the grouped int8 kernel. Both run every "
+            "layer in the one-call native "
             "decoder stack (kernels/decoder.c), on every family.")
-    write_section("gguf", text)
-    print("wrote docs/BENCHMARKS.md (gguf)")
+    section = "gguf" if level is None else f"gguf-{level}"
+    write_section(section, text)
+    print(f"wrote docs/BENCHMARKS.md ({section})")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from tokenmill.isa import flags_at, requested_level
+
 T = TypeVar("T")
 
 
@@ -38,6 +40,19 @@ def release_freed_heap() -> None:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags the kernels may use: the CPU's own, up to the TOKENMILL_ISA level when one is set
+    (tokenmill/isa.py)."""
+    return flags_at(isa_level(), raw_cpu_flags())
+
+
+@functools.cache
+def isa_level() -> str | None:
+    """The TOKENMILL_ISA level (None: unset, the CPU's own); ValueError for a level this CPU cannot run."""
+    return requested_level(raw_cpu_flags())
+
+
+@functools.cache
+def raw_cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:

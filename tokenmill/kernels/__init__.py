@@ -22,14 +22,22 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tokenmill.isa import compiler_flags, cpu_level
 from tokenmill.model.kv_quant import LayerKV
-from tokenmill.platform import cache_root, cpu_flags
+from tokenmill.platform import cache_root, cpu_flags, isa_level, raw_cpu_flags
 
 logger = logging.getLogger(__name__)
 _SOURCE_DIR = Path(__file__).parent
-# No -ffast-math and no implicit FMA contraction: the kernels promise the same float operations for a row
-# whatever its batch (see paged_attention.c).
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+@functools.cache
+def _flags() -> list[str]:
+    """No -ffast-math and no implicit FMA contraction: the kernels promise the same float operations for a row
+    whatever its batch (see paged_attention.c). The target: this CPU, or the TOKENMILL_ISA level below it."""
+    return ["-O3", *compiler_flags(isa_level(), raw_cpu_flags()), "-ffp-contract=off", "-fopenmp", "-shared",
+            "-fPIC", "-std=c11"]
+
+
 # Limits compiled into paged_attention.c (stack arrays).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 64
 
@@ -50,13 +58,13 @@ def load_library(name: str) -> ctypes.CDLL | None:
         return None
     # every source here: headers are shared (vec_exp.h) and decoder.c includes the other kernels
     sources = b"".join(f.read_bytes() for f in sorted([*_SOURCE_DIR.glob("*.c"), *_SOURCE_DIR.glob("*.h")]))
-    key = hashlib.sha256(name.encode() + sources + " ".join(_FLAGS).encode() + " ".join(sorted(cpu_flags())).encode())
+    key = hashlib.sha256(name.encode() + sources + " ".join(_flags()).encode() + " ".join(sorted(cpu_flags())).encode())
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
+            result = subprocess.run([compiler, *_flags(), str(source), "-o", str(built), "-lm"],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 logger.warning("building native kernel %s failed, using the torch fallback:\n%s", name,
@@ -353,7 +361,7 @@ def _gguf_panel_fns() -> tuple[ctypes._CFuncPtr, ...] | None:  # type: ignore[na
 
 
 def gguf_panels_available() -> bool:
-    """Whether GGUF weights are repacked into 16-row panels for the VNNI kernel (kernels/gguf_panels.c) here."""
+    """Whether GGUF weights are repacked into 16-row panels here (kernels/gguf_panels.c: AVX512-VNNI or AVX2)."""
     return _gguf_panel_fns() is not None
 
 
@@ -364,8 +372,9 @@ def _panel_bytes(tensor_type: int, cols: int) -> int:
 
 class GGUFMatmulPlan:
     """The stacked GGUF tensors of one linear layer, as the kernels read them (built once, at load): on
-    AVX512-VNNI hosts repacked into 16-row panels (gguf_panels.c; the file's bytes are then no longer read), else
-    the file's blocks in place (gguf_matmul.c). A step then costs one quantize_groups call and one kernel call."""
+    AVX512-VNNI and AVX2 hosts repacked into 16-row panels (gguf_panels.c; the file's bytes are then no longer
+    read), else the file's blocks in place (gguf_matmul.c). A step then costs one quantize_groups call and one
+    kernel call."""
 
     def __init__(self, parts: list[tuple[np.ndarray, int, int, torch.Tensor | None]], cols: int,
                  panels: bool | None = None) -> None:
@@ -438,8 +447,12 @@ def prepare() -> str:
         "token bitmask": _bitmask_fn() is not None,
         "decoder stack": _decoder_fn() is not None,
         "GGUF block decoding": _gguf_fns() is not None,
+        "GGUF panels": gguf_panels_available(),
     }
-    return "native CPU kernels: " + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in ready.items())
+    level = isa_level()
+    target = f"{level} (TOKENMILL_ISA)" if level else "this CPU's own: " + cpu_level(raw_cpu_flags())
+    return (f"native CPU kernels for {target}: "
+            + ", ".join(f"{name} {'on' if on else 'off'}" for name, on in ready.items()))
 
 
 def int8_rows_available() -> bool:
