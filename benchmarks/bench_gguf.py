@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_model import decode_throughput, prefill_throughput  # noqa: E402
 
-from tests.real_models import REAL_MODELS, cache_dir  # noqa: E402
+from tests.real_models import DECODER_MODELS, cache_dir  # noqa: E402
 from tokenmill.bench.machine import memory_bandwidth_gbs  # noqa: E402
 from tokenmill.bench.report import machine_description, markdown_table, write_section  # noqa: E402
 from tokenmill.config import EngineConfig  # noqa: E402
@@ -60,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(2)
     mem = memory_bandwidth_gbs()
     print(f"memory {mem:.1f} GB/s", flush=True)
-    models = [Path(bundled_model_path())] + [cache_dir() / m.file for m in REAL_MODELS
+    models = [Path(bundled_model_path())] + [cache_dir() / m.file for m in DECODER_MODELS
                                             if (cache_dir() / m.file).exists()]
     rows = []
     for path in models:

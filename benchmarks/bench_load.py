@@ -32,7 +32,7 @@ from tokenmill.bench.server_process import free_port
 from tokenmill.model.loader import bundled_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.real_models import REAL_MODELS, cache_dir  # noqa: E402
+from tests.real_models import DECODER_MODELS, cache_dir  # noqa: E402
 
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill-peers"))
 LLAMA_SERVER = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
@@ -105,7 +105,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="starts per server and file (median and range)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    files = [bundled_model_path()] + [str(cache_dir() / m.file) for m in REAL_MODELS if (cache_dir() / m.file).exists()]
+    files = [bundled_model_path()] + [str(cache_dir() / m.file) for m in DECODER_MODELS
+                                      if (cache_dir() / m.file).exists()]
     rows: list[list[object]] = []
     for path in files:
         size = os.path.getsize(path) / 1e9

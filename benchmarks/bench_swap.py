@@ -53,7 +53,8 @@ def one_run(model: str, warm_s: float, after_s: float) -> dict[str, object]:
                                 for line in reply.iter_lines():
                                     if line.startswith("data: {") and first_token is None:
                                         first_token = time.monotonic()
-                                    ok = line == "data: [DONE]" and reply.status_code == 200
+                                    if line == "data: [DONE]":  # blank lines separate the events after it too
+                                        ok = reply.status_code == 200
                         except httpx.HTTPError:
                             ok = False
                         end = time.monotonic()

@@ -42,6 +42,7 @@ NOMIC_EMBED_V15 = RealModel(
 _NOMIC_MEMBER = "nomic-embed-text-v1.5.f16.gguf"
 _ZIP_PART_BYTES = 94371840
 REAL_MODELS = (QWEN25_CODER_05B, GEMMA3_270M, NOMIC_EMBED_V15)
+DECODER_MODELS = (QWEN25_CODER_05B, GEMMA3_270M)  # the generative ones
 
 
 def cache_dir() -> Path:

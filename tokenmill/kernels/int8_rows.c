@@ -232,12 +232,17 @@ void quantize_groups(const float *x, int64_t rows, int64_t k, int64_t x_stride, 
         }
 }
 
-static inline __m256i dot_quad(__m256i w, const int8_t *x4) {
+// acc + the 8 outputs' sums of 4 products of w with the 4 activations at x4 (exact in int32 either way)
+static inline __m256i dot_quad(__m256i acc, __m256i w, const int8_t *x4) {
     int32_t v;
     memcpy(&v, x4, 4);
     const __m256i xq = _mm256_set1_epi32(v);
+#if defined(__AVXVNNI__)  // Alder Lake and later, Zen 5: the VEX vpdpbusd sums the four products at once
+    return _mm256_dpbusd_avx_epi32(acc, _mm256_abs_epi8(xq), _mm256_sign_epi8(w, xq));
+#else
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xq), _mm256_sign_epi8(w, xq));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
 }
 
 // ROWS rows against one block of 8 outputs: per group an exact int32 sum over its 8 quads, then
@@ -252,7 +257,7 @@ static inline __m256i dot_quad(__m256i w, const int8_t *x4) {
             for (int c = 0; c < GROUP / 4; ++c) {                                                                  \
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + (g * (GROUP / 4) + c) * 32));          \
                 for (int i = 0; i < ROWS; ++i)                                                                     \
-                    acc[i] = _mm256_add_epi32(acc[i], dot_quad(w, q + i * k + g * GROUP + 4 * c));               \
+                    acc[i] = dot_quad(acc[i], w, q + i * k + g * GROUP + 4 * c);                                  \
             }                                                                                                      \
             for (int i = 0; i < ROWS; ++i)                                                                         \
                 facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(scales[i * groups + g]),     \

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
-from tokenmill.platform import cpu_flags
+from tokenmill.isa import cpu_level
+from tokenmill.platform import cpu_flags, isa_level
 
 QuantizationMode = Literal["auto", "none", "int8", "bf16", "gguf"]
 QUANTIZATION_MODES: tuple[str, ...] = ("auto", "none", "int8", "bf16", "gguf")
@@ -38,11 +39,12 @@ def resolve_quantization(mode: str, device: str, gguf_weights: bool = False) -> 
     Measured on this project's CPUs (benchmarks/bench_kernels.py): int8 through the native grouped kernel is the
     fastest at every batch size on AVX-512 VNNI hosts (2-4x float32); on AVX2-only hosts, where bf16 has no native
     instructions, it runs through the kernel's AVX2 branch. A GGUF file's own blocks (`gguf_weights`), repacked
-    into the VNNI panel kernel's layout, stream fewer bytes than int8 and decode faster (bundled SmolLM2 Q4_1
-    1.4x, Qwen2.5-0.5B Q4_K_M 1.1x: docs/BENCHMARKS.md), so there `auto` is `gguf`; the AVX2 kernel reads the
-    blocks one row at a time and is slower than int8, so AVX2 hosts keep int8. On GPUs, and on CPUs where the
-    native kernels cannot be built, `auto` keeps float32. On GPUs `auto` is bf16 where the device computes in
-    bf16 (float32 otherwise).
+    into row panels (gguf_panels.c, AVX512-VNNI or AVX2), stream fewer bytes than int8 and decode faster: on
+    AVX512-VNNI bundled SmolLM2 Q4_1 1.4x, Qwen2.5-0.5B Q4_K_M 1.1x; with the AVX2 kernels (TOKENMILL_ISA=avx2)
+    1.1-1.3x at one stream, prompts as fast or faster (docs/BENCHMARKS.md "gguf", "gguf-avx2"); so there `auto`
+    is `gguf`. Where no panel kernel is built (no AVX2), int8 or float32. On GPUs, and on CPUs where the native
+    kernels cannot be built, `auto` keeps float32. On GPUs `auto` is bf16 where the device computes in bf16
+    (float32 otherwise).
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
@@ -61,9 +63,11 @@ def resolve_quantization(mode: str, device: str, gguf_weights: bool = False) -> 
         if not kernels.native_attention_available():
             logger.warning("native CPU kernels unavailable (no C compiler?): running float32")
             return "none"
-        if gguf_weights and kernels.gguf_panels_available():
-            return "gguf"
-        return "int8" if has_int8 else ("bf16" if has_bf16 else "none")
+        chosen = ("gguf" if gguf_weights and kernels.gguf_panels_available()
+                  else "int8" if has_int8 else "bf16" if has_bf16 else "none")
+        logger.info("quantization auto -> %s (kernels for %s%s)", chosen, isa_level() or cpu_level(cpu_flags()),
+                    ", a GGUF file: its blocks as stored" if chosen == "gguf" else "")
+        return chosen
     if mode == "bf16" and not has_bf16:
         logger.warning("this CPU has no native bf16 instructions: bf16 linears will be slow")
     return mode
