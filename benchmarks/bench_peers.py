@@ -24,6 +24,7 @@ import os
 import re
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ from tokenmill.bench.stats import summarize
 from tokenmill.bench.sweep import worst_gap_during_long_prefill
 from tokenmill.model.loader import resolve_model_path
 from tokenmill.model.tokenizer import Tokenizer
+from tokenmill.platform import isa_level
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill-peers"))
@@ -74,6 +76,23 @@ def offline_openvino(fmt: str) -> tuple[float, float] | None:
 LLAMACPP_SLOTS, LLAMACPP_BATCH, LLAMACPP_CTX_PER_SLOT = 32, 512, 4096
 
 
+LLAMACPP_SYSTEM_INFO: list[str] = []  # the last llama-server's system_info line
+
+
+def isa_note() -> str:
+    """Which kernels each engine ran, for the report: tokenmill's level, llama-server's own system_info."""
+    level = isa_level()
+    ours = f"tokenmill's kernels for {level} (TOKENMILL_ISA={level})" if level else "tokenmill's kernels for this CPU"
+    theirs = (f"llama-server `{LLAMACPP_SYSTEM_INFO[0]}` ({PEERS_DIR})" if LLAMACPP_SYSTEM_INFO
+              else "llama-server not run")
+    return f"{ours}; {theirs}."
+
+
+def section_name(base: str) -> str:
+    level = isa_level()
+    return base if level is None else f"{base}-{level}"
+
+
 @contextmanager
 def llamacpp_server(model: str | None = None, extra: tuple[str, ...] = ()) -> Iterator[str | None]:
     """llama-server on `model` (default: llamacpp.sh's copy of the bundled file); `extra`: more flags."""
@@ -89,21 +108,25 @@ def llamacpp_server(model: str | None = None, extra: tuple[str, ...] = ()) -> It
                "127.0.0.1", "--port", str(port), "--alias", "smollm2", "-np", str(LLAMACPP_SLOTS),
                "-c", str(LLAMACPP_SLOTS * LLAMACPP_CTX_PER_SLOT), "-cb", "-t", threads, "-tb", threads,
                "-b", str(LLAMACPP_BATCH), "-ub", str(LLAMACPP_BATCH), "--no-kv-unified", "--no-webui", *extra]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            log.seek(0)
+            # the instruction sets its build uses ("CPU : SSE3 = 1 | AVX2 = 1 | ..."), for the report
+            LLAMACPP_SYSTEM_INFO[:] = [line.strip() for line in log if "system_info" in line][:1]
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 def single_streams(url: str, model: str, tokenizer: Tokenizer, repeats: int) -> list[float]:
@@ -289,8 +312,9 @@ def main() -> None:
                  *model_section(args.model, args.serve_quantization, args.runs, args.omp_wait_policy or None)]
         print("\n".join(lines))
         if not args.no_write:
-            write_section(f"peers-{Path(args.model).stem}", "\n".join(lines))
-            print(f"wrote docs/BENCHMARKS.md (peers-{Path(args.model).stem})")
+            lines.insert(3, isa_note() + "\n")
+            write_section(section_name(f"peers-{Path(args.model).stem}"), "\n".join(lines))
+            print(f"wrote docs/BENCHMARKS.md ({section_name(f'peers-{Path(args.model).stem}')})")
         return
     prompts = json.loads((PEERS / "prompts32.json").read_text())
     lines = ["## Side by side with llama.cpp and OpenVINO GenAI (`python benchmarks/bench_peers.py`)", "",
@@ -333,8 +357,9 @@ def main() -> None:
                   markdown_table(["server", "single stream tok/s", "32 mixed: total tok/s", "32 mixed: output tok/s",
                                   "32 mixed: ITL p50 ms", "32 mixed: TTFT p50 s", "worst stall s"], table)]
     if not args.no_write:
-        write_section("peers", "\n".join(lines))
-        print("wrote docs/BENCHMARKS.md (peers)")
+        lines.insert(3, isa_note() + "\n")
+        write_section(section_name("peers"), "\n".join(lines))
+        print(f"wrote docs/BENCHMARKS.md ({section_name('peers')})")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ _SOURCE_DIR = Path(__file__).parent
 
 
 @functools.cache
-def _flags() -> list[str]:
+def build_flags() -> list[str]:
     """No -ffast-math and no implicit FMA contraction: the kernels promise the same float operations for a row
     whatever its batch (see paged_attention.c). The target: this CPU, or the TOKENMILL_ISA level below it."""
     return ["-O3", *compiler_flags(isa_level(), raw_cpu_flags()), "-ffp-contract=off", "-fopenmp", "-shared",
@@ -58,13 +58,14 @@ def load_library(name: str) -> ctypes.CDLL | None:
         return None
     # every source here: headers are shared (vec_exp.h) and decoder.c includes the other kernels
     sources = b"".join(f.read_bytes() for f in sorted([*_SOURCE_DIR.glob("*.c"), *_SOURCE_DIR.glob("*.h")]))
-    key = hashlib.sha256(name.encode() + sources + " ".join(_flags()).encode() + " ".join(sorted(cpu_flags())).encode())
+    key = hashlib.sha256(name.encode() + sources + " ".join(build_flags()).encode()
+                         + " ".join(sorted(cpu_flags())).encode())
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_flags(), str(source), "-o", str(built), "-lm"],
+            result = subprocess.run([compiler, *build_flags(), str(source), "-o", str(built), "-lm"],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 logger.warning("building native kernel %s failed, using the torch fallback:\n%s", name,
