@@ -24,7 +24,6 @@ import os
 import re
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,16 +75,22 @@ def offline_openvino(fmt: str) -> tuple[float, float] | None:
 LLAMACPP_SLOTS, LLAMACPP_BATCH, LLAMACPP_CTX_PER_SLOT = 32, 512, 4096
 
 
-LLAMACPP_SYSTEM_INFO: list[str] = []  # the last llama-server's system_info line
+def llamacpp_isa() -> str:
+    """The instruction sets the llama-server under PEERS_DIR was built for (its CMake cache), for the report."""
+    cache = PEERS_DIR / "llama.cpp" / "build" / "CMakeCache.txt"
+    if not cache.exists():
+        return "unknown"
+    flags = re.findall(r"^GGML_(NATIVE|AVX\w*|AMX\w*|FMA|F16C):BOOL=(ON|OFF)$", cache.read_text(), re.MULTILINE)
+    if ("NATIVE", "ON") in flags:
+        return "-march=native (GGML_NATIVE=ON)"
+    return " ".join(name for name, value in flags if value == "ON") or "generic"
 
 
 def isa_note() -> str:
-    """Which kernels each engine ran, for the report: tokenmill's level, llama-server's own system_info."""
+    """Which kernels each engine ran, for the report: tokenmill's level, llama-server's build."""
     level = isa_level()
     ours = f"tokenmill's kernels for {level} (TOKENMILL_ISA={level})" if level else "tokenmill's kernels for this CPU"
-    theirs = (f"llama-server `{LLAMACPP_SYSTEM_INFO[0]}` ({PEERS_DIR})" if LLAMACPP_SYSTEM_INFO
-              else "llama-server not run")
-    return f"{ours}; {theirs}."
+    return f"{ours}; llama-server built for {llamacpp_isa()} ({PEERS_DIR})."
 
 
 def section_name(base: str) -> str:
@@ -108,25 +113,21 @@ def llamacpp_server(model: str | None = None, extra: tuple[str, ...] = ()) -> It
                "127.0.0.1", "--port", str(port), "--alias", "smollm2", "-np", str(LLAMACPP_SLOTS),
                "-c", str(LLAMACPP_SLOTS * LLAMACPP_CTX_PER_SLOT), "-cb", "-t", threads, "-tb", threads,
                "-b", str(LLAMACPP_BATCH), "-ub", str(LLAMACPP_BATCH), "--no-kv-unified", "--no-webui", *extra]
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-            log.seek(0)
-            # the instruction sets its build uses ("CPU : SSE3 = 1 | AVX2 = 1 | ..."), for the report
-            LLAMACPP_SYSTEM_INFO[:] = [line.strip() for line in log if "system_info" in line][:1]
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def single_streams(url: str, model: str, tokenizer: Tokenizer, repeats: int) -> list[float]:

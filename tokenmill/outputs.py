@@ -33,6 +33,8 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens) per step
+    num_migrations: int = 0  # moves off a dead engine core
 
 
 @dataclass

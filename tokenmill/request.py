@@ -44,6 +44,8 @@ class RequestTimes:
     last_token: float | None = None
     finished: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # (step planned, step done, tokens) of every step that computed part of the prompt (traces' prefill chunks)
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 class Request:
@@ -67,6 +69,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first scheduling
         self.num_preemptions = 0
+        self.num_migrations = 0  # moves off a dead engine core (the front end counts them)
         self.num_recomputed_tokens = 0
         # Set on resumption after preemption; cleared when the request makes progress again (thrash guard).
         self.resumed_without_progress = False

@@ -47,6 +47,7 @@ class SchedulerOutput:
     # Structured outputs: int32 token bitmask rows (bit set = allowed) for the logits rows of the structured
     # requests that sample, in plan order (1 + num_spec_tokens rows each).
     grammar_bitmask: torch.Tensor | None = None
+    planned_at: float = 0.0  # when the scheduler made it (the scheduler's clock)
 
     @property
     def total_tokens(self) -> int:

@@ -474,7 +474,7 @@ class Scheduler:
             ))
         finished, self._finished_since_plan = self._finished_since_plan, []
         plan = SchedulerOutput(scheduled, prefill_tokens, decode_tokens,
-                               [r.request_id for r in preempted], finished)
+                               [r.request_id for r in preempted], finished, planned_at=self.clock())
         if grammar_rows:
             plan.grammar_bitmask = self.grammars.grammar_bitmask(grammar_rows)
         self.last_stats = self._stats(plan, len(padding), len(preempted))
@@ -516,9 +516,11 @@ class Scheduler:
                 if position <= known + 1:
                     request.prompt_logprobs.extend(entries[known + 1 - position:])
         for scheduled in plan.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is not None and not scheduled.padding and scheduled.start_position < request.num_prompt_tokens:
+                request.times.prefill_chunks.append((plan.planned_at, now, scheduled.num_tokens))
             if not scheduled.sample or scheduled.padding:
                 continue
-            request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             if request.sampling_params.pool:  # an embedding: its prompt is done, so is the request

@@ -35,7 +35,8 @@ class CoreLoop:
         self.mirror_requests = mirror_requests  # the front end holds copies of the requests: send syncs
         self.send_plans = send_plans  # step records carry their plan (step traces need it)
         self.acked = 0
-        self._tracked: dict[str, tuple[Request, int]] = {}  # mirrored requests, token times already sent
+        # mirrored requests, with the token times and prefill chunks already sent
+        self._tracked: dict[str, tuple[Request, int, int]] = {}
         if kv_events:  # a restarted engine's disk tier already holds prefixes: say so first
             core.kv.pool.events = [("stored", block_hash) for block_hash in core.held_prefix_blocks()]
 
@@ -88,7 +89,7 @@ class CoreLoop:
                         rejected.append((child.request_id, str(exc)))
                         continue
                     if self.mirror_requests:
-                        self._tracked[child.request_id] = (child, 0)
+                        self._tracked[child.request_id] = (child, 0, 0)
             elif kind == "abort":
                 core.abort_requests(payload)
                 self._untrack(payload)
@@ -137,13 +138,14 @@ class CoreLoop:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            request, sent = tracked
+            request, sent, sent_chunks = tracked
             times = request.times
             syncs.append(RequestSync(out.request_id, times.first_scheduled, times.first_token, times.last_token,
                                      times.finished, times.token_times[sent:], request.num_cached_tokens,
-                                     request.num_preemptions, request.num_recomputed_tokens))
+                                     request.num_preemptions, request.num_recomputed_tokens,
+                                     times.prefill_chunks[sent_chunks:]))
             if request.is_finished:
                 del self._tracked[out.request_id]
             else:
-                self._tracked[out.request_id] = (request, len(times.token_times))
+                self._tracked[out.request_id] = (request, len(times.token_times), len(times.prefill_chunks))
         return syncs

@@ -55,6 +55,7 @@ class RequestSync:
     num_cached_tokens: int
     num_preemptions: int
     num_recomputed_tokens: int
+    new_prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)
 
     def apply(self, request: Request, clock_offset: float = 0.0) -> None:
         def shift(t: float | None) -> float | None:
@@ -68,6 +69,8 @@ class RequestSync:
             times.first_token = shift(self.first_token)
         times.last_token, times.finished = shift(self.last_token), shift(self.finished)
         times.token_times.extend(t + clock_offset for t in self.new_token_times)
+        times.prefill_chunks.extend((start + clock_offset, end + clock_offset, tokens)
+                                    for start, end, tokens in self.new_prefill_chunks)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = self.num_cached_tokens
         request.num_preemptions = self.num_preemptions

@@ -84,6 +84,9 @@ class Migrations:
         """Count the move (once per request, also when it waits before going on) and tell the listeners."""
         for child in children:
             self.moves[child.request_id] = self.moves.get(child.request_id, 0) + 1
+            progress = self.output_processor.progress(child.request_id)
+            if progress is not None:  # the front end's copy, which the client's metrics and traces read
+                progress.request.num_migrations += 1
             logger.warning("request %s moved from engine core %d to %s after %d tokens (move %d of at most %d)",
                            child.request_id, source, "the next core up" if target is None else f"engine core "
                            f"{target}", child.num_output_tokens, self.moves[child.request_id], self.limit)

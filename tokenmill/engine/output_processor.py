@@ -227,4 +227,5 @@ def _metrics(request: Request) -> RequestMetrics:
         arrival_time=t.arrival, first_scheduled_time=t.first_scheduled, first_token_time=t.first_token,
         last_token_time=t.last_token, finished_time=t.finished, token_times=list(t.token_times),
         num_preemptions=request.num_preemptions, num_recomputed_tokens=request.num_recomputed_tokens,
+        prefill_chunks=list(t.prefill_chunks), num_migrations=request.num_migrations,
     )

@@ -1,6 +1,7 @@
 """OpenTelemetry traces (`--otlp-traces-endpoint`, vLLM's flag; the `tracing` extra): one span per request,
 `llm_request`, continuing the client's W3C `traceparent` when it sends one, with a child span per phase (queue,
-prefill, decode) and the request's numbers as attributes (vLLM's `gen_ai.*` names where they exist).
+prefill, decode), a `prefill_chunk` span per engine step that computed part of the prompt (under `prefill`), and
+the request's numbers as attributes (vLLM's `gen_ai.*` names where they exist; preemptions and migrations).
 
 The engine timestamps each request's events (tokenmill/request.py:RequestTimes, on the monotonic clock the
 processes share); the spans are written when the request finishes, with those times, so tracing costs the step
@@ -65,6 +66,7 @@ class RequestTracer:
                 "tokenmill.endpoint": endpoint, "tokenmill.cached_prompt_tokens": output.num_cached_tokens,
                 "tokenmill.num_preemptions": times.num_preemptions,
                 "tokenmill.recomputed_tokens": times.num_recomputed_tokens,
+                "tokenmill.num_migrations": times.num_migrations,
             }
             if times.first_scheduled_time is not None:
                 attributes["gen_ai.latency.time_in_queue"] = times.first_scheduled_time - times.arrival_time
@@ -81,6 +83,13 @@ class RequestTracer:
                     child = self.tracer.start_span(name, context=inside, start_time=self._ns(start))
                     if name == "decode":
                         child.set_attribute("tokenmill.tokens", max(len(completion.token_ids) - 1, 0))
+                    if name == "prefill":  # a span per engine step that computed part of the prompt
+                        phase = trace.set_span_in_context(child)
+                        for chunk_start, chunk_end, tokens in times.prefill_chunks:
+                            chunk = self.tracer.start_span("prefill_chunk", context=phase,
+                                                           start_time=self._ns(chunk_start),
+                                                           attributes={"tokenmill.tokens": tokens})
+                            chunk.end(end_time=self._ns(chunk_end))
                     child.end(end_time=self._ns(stop))
             span.end(end_time=self._ns(end))
 
