@@ -1,8 +1,8 @@
 """The quantized GEMM path against this machine's int8 peak, at the kernels' instruction-set level (this CPU's,
 or `TOKENMILL_ISA`): prompt-chunk shapes (rows >= 64) of Qwen2.5-0.5B and 1.5B through the grouped int8 kernel
-(`-q int8`) and the GGUF row panels on Q4_K blocks (`-q gguf`), in GOP/s (2 x multiply-adds per second) and as a
-fraction of the peak that `int8_peak_probe.c` measures in the same run (the multiply-add instruction sequence the
-kernels use, in a tight loop of independent chains on every thread).
+(`-q int8`) and the GGUF row panels on the blocks a Q4_K_M file holds (`-q gguf`), in GOP/s (2 x multiply-adds
+per second) and as a fraction of the peak that `int8_peak_probe.c` measures in the same run (the multiply-add
+instruction sequence the kernels use, in a tight loop of independent chains on every thread).
 
 `python benchmarks/bench_gemm_peak.py [--runs N]` prints the table and writes the "gemm-peak" section of
 docs/BENCHMARKS.md (under TOKENMILL_ISA=LEVEL, "gemm-peak-LEVEL").
@@ -29,7 +29,7 @@ from tokenmill.isa import cpu_level  # noqa: E402
 from tokenmill.model.quant import make_linear  # noqa: E402
 from tokenmill.platform import isa_level, raw_cpu_flags  # noqa: E402
 
-Q4_K, Q4_K_BYTES = 12, 144  # GGML type id and bytes of one 256-value block
+Q4_K, Q4_K_BYTES, Q5_0 = 12, 144, 6  # GGML type ids; bytes of one 256-value Q4_K block
 # (model, layer, k, n): the linear layers of a decoder layer
 SHAPES = [("Qwen2.5-0.5B", "qkv", 896, 1152), ("Qwen2.5-0.5B", "gate_up", 896, 9728),
           ("Qwen2.5-0.5B", "down", 4864, 896), ("Qwen2.5-1.5B", "qkv", 1536, 2048),
@@ -58,14 +58,22 @@ def probe_peak_gops(seconds: float = 0.5) -> float:
     return 2 * torch.get_num_threads() * iterations * chains * macs / elapsed / 1e9
 
 
-def q4_k_plan(k: int, n: int, seed: int) -> kernels.GGUFMatmulPlan:
-    """Random Q4_K blocks (finite fp16 scales) of an n x k tensor, as the loader plans a GGUF layer."""
+def gguf_plan(k: int, n: int, seed: int) -> tuple[kernels.GGUFMatmulPlan, str]:
+    """An n x k tensor as a Q4_K_M file stores it: Q4_K blocks (random bytes, finite fp16 scales), or Q5_0 where k
+    is no multiple of 256 (llama.cpp's fallback: Qwen2.5-0.5B's 896 inputs)."""
     rng = np.random.default_rng(seed)
+    if k % 256:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        weight = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        data = np.ascontiguousarray(quantize(weight, GGMLQuantizationType.Q5_0)).view(np.uint8).reshape(n, -1)
+        return kernels.GGUFMatmulPlan([(data, Q5_0, n, None)], k), "Q5_0"
     blocks = rng.integers(0, 256, (n * k // 256, Q4_K_BYTES), dtype=np.uint8)
     for at in (0, 2):  # d and dmin
         scales = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
         blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return kernels.GGUFMatmulPlan([(blocks.reshape(n, -1), Q4_K, n, None)], k)
+    return kernels.GGUFMatmulPlan([(blocks.reshape(n, -1), Q4_K, n, None)], k), "Q4_K"
 
 
 def time_gops(fn: object, x: torch.Tensor, n: int, repeats: int) -> float:
@@ -94,7 +102,7 @@ def main() -> None:
     for model, layer, k, n in SHAPES:
         int8 = make_linear("int8", k, n, bias=False)
         int8.load(torch.randn(n, k) * 0.05)
-        plan = q4_k_plan(k, n, seed=k + n)
+        plan, kind = gguf_plan(k, n, seed=k + n)
         for rows in args.rows:
             x = torch.randn(rows, k)
             cells: dict[str, list[float]] = {"int8": [], "gguf": []}
@@ -103,7 +111,7 @@ def main() -> None:
                 cells["gguf"].append(time_gops(lambda t, p=plan: kernels.gguf_matmul(t, p), x, n, 3))
             peaks.append(probe_peak_gops(0.2))
             peak = statistics.median(peaks)
-            row = [model, layer, f"{k}x{n}", rows]
+            row = [model, layer, f"{k}x{n}", kind, rows]
             for path in ("int8", "gguf"):
                 values = cells[path]
                 best = statistics.median(values)
@@ -112,7 +120,7 @@ def main() -> None:
             print(row, flush=True)
         del int8, plan
     peak = statistics.median(peaks)
-    table = markdown_table(["model", "layer", "k x n", "rows", "int8 GOP/s", "of peak", "gguf Q4_K GOP/s",
+    table = markdown_table(["model", "layer", "k x n", "GGUF type", "rows", "int8 GOP/s", "of peak", "gguf GOP/s",
                             "of peak"], rows_out)
     print(table)
     if args.no_write:

@@ -1,8 +1,9 @@
 // The machine's int8 multiply-add peak for the instruction sequence the kernels use at this build's level:
-// AVX512-VNNI `vpdpbusd` on zmm (64 multiply-adds), AVX-VNNI `vpdpbusd` on ymm (32), AVX2 `vpmaddubsw` +
-// `vpmaddwd` + `vpaddd` on ymm (32). Twelve independent accumulator chains per thread hide the latency, so the
-// loop runs at the units' throughput; every thread of the OpenMP team runs it at once. Built by
-// benchmarks/bench_gemm_peak.py with the kernels' own flags.
+// AVX512-VNNI `vpdpbusd` on zmm (64 multiply-adds), AVX-VNNI `vpdpbusd` on ymm (32), AVX2 `vpmaddubsw` on ymm
+// (32 products summed in pairs: the multiplier's rate, an upper bound for kernels that still widen the pairs).
+// Twelve independent accumulator chains per thread hide the latency, so the loop runs at the units'
+// throughput; every thread of the OpenMP team runs it at once. Built by benchmarks/bench_gemm_peak.py with the
+// kernels' own flags.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -45,8 +46,8 @@ int64_t probe_run(int64_t iterations) {
 #if defined(__AVXVNNI__)
                 acc[c] = _mm256_dpbusd_avx_epi32(acc[c], _mm256_loadu_si256(w + c), x);
 #else
-                acc[c] = _mm256_add_epi32(
-                    acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256(w + c), x), _mm256_set1_epi16(1)));
+                // the multiplier's own rate: vpmaddubsw alone (the kernels widen with a vpmaddwd per one or two)
+                acc[c] = _mm256_add_epi16(acc[c], _mm256_maddubs_epi16(_mm256_loadu_si256(w + c), x));
 #endif
             }
         }
