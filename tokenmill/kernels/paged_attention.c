@@ -18,7 +18,11 @@
 // Built at first use by tokenmill/kernels/__init__.py; OpenMP resolves to the libgomp that torch already
 // loaded (same soname), so both share one thread pool.
 #include <math.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else
+static inline int omp_get_max_threads(void) { return 1; }  // built without OpenMP: one thread
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
