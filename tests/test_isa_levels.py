@@ -71,10 +71,11 @@ gen = torch.Generator().manual_seed(5)
 out = {"line": kernels.prepare(), "panels": kernels.gguf_panels_available()}
 for kind, data, rows, cols in _blocks_of_every_type():
     if kernels.gguf_matmul_supported(int(kind), cols):
-        x = torch.randn(5, cols, generator=gen)
-        out[kind.name] = kernels.gguf_matmul(x, kernels.GGUFMatmulPlan([(data, int(kind), rows, None)], cols), None)
-        out[kind.name + "-one"] = kernels.gguf_matmul(x[3:4].contiguous(),
-                                                      kernels.GGUFMatmulPlan([(data, int(kind), rows, None)], cols))
+        plan = kernels.GGUFMatmulPlan([(data, int(kind), rows, None)], cols)
+        x = torch.randn(8, cols, generator=gen)  # tiles of every size from 1 to 4 (AVX2) and 8 (AVX-512)
+        out[kind.name] = kernels.gguf_matmul(x, plan)
+        out[kind.name + "-5"] = kernels.gguf_matmul(x[:5].contiguous(), plan)
+        out[kind.name + "-one"] = kernels.gguf_matmul(x[3:4].contiguous(), plan)
 if kernels.int8_grouped_available():
     torch.manual_seed(0)
     layer = make_linear("int8", 96, 40, bias=True)

@@ -290,6 +290,13 @@ typedef struct {
 // all of them give the same bits).
 typedef void (*PanelFn)(const uint8_t *, int64_t, const Token *, float (*)[PANEL]);
 
+// 4 bytes as one int32 (4 activations to broadcast, or 32 mask bits), at any alignment
+static inline int32_t word_at(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PANEL_KERNELS 1
 #include "gguf_panels_avx512.h"
@@ -300,6 +307,41 @@ typedef void (*PanelFn)(const uint8_t *, int64_t, const Token *, float (*)[PANEL
 
 #ifdef PANEL_KERNELS
 int gguf_panels_available(void) { return 1; }
+
+// one function per format and tile size (the header's PANEL_TILES), so each format's loop compiles on its own
+#define PANEL_FN(NAME, TYPE, T)                                                                                    \
+    static void NAME##_##T(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) {                       \
+        panel_tile(TYPE, T, p, k, x, y);                                                                           \
+    }
+#define PANEL_REF(NAME, TYPE, T) NAME##_##T,
+#define PANEL_FNS(NAME, TYPE) PANEL_TILES(PANEL_FN, NAME, TYPE)
+PANEL_FNS(q4_0, T_Q4_0)
+PANEL_FNS(q4_1, T_Q4_1)
+PANEL_FNS(q5_0, T_Q5_0)
+PANEL_FNS(q5_1, T_Q5_1)
+PANEL_FNS(q8_0, T_Q8_0)
+PANEL_FNS(q4_k, T_Q4_K)
+PANEL_FNS(q5_k, T_Q5_K)
+PANEL_FNS(q6_k, T_Q6_K)
+
+static PanelFn panel_fn(int type, int tile) {
+#define PICK(NAME)                                                                                                 \
+    {                                                                                                              \
+        static const PanelFn fns[TILE_MAX] = {PANEL_TILES(PANEL_REF, NAME, 0)};                                    \
+        return fns[tile - 1];                                                                                      \
+    }
+    switch (type) {
+    case T_Q4_0: PICK(q4_0);
+    case T_Q4_1: PICK(q4_1);
+    case T_Q5_0: PICK(q5_0);
+    case T_Q5_1: PICK(q5_1);
+    case T_Q8_0: PICK(q8_0);
+    case T_Q4_K: PICK(q4_k);
+    case T_Q5_K: PICK(q5_k);
+    default: PICK(q6_k);
+    }
+#undef PICK
+}
 
 /* out[t * out_stride + j] = W[j] . x[t] (+ bias[j]) for the outputs j of `parts` stacked tensors (a fused
  * projection), part p's rows[p] outputs packed by gguf_panels_pack at packed[p] (type types[p]).

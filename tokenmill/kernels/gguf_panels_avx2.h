@@ -8,14 +8,12 @@
 // and the float operations per output are those of gguf_panels_avx512.h, so both give the same bits.
 #include <immintrin.h>
 
-#define TILE_MAX 2  // tokens sharing each weight load: 16 ymm registers hold 2 tokens' accumulators
+// tokens sharing each weight load: 4 unpack each weight vector half as often as 2 did (Q4_K prompt GEMMs +3-30%,
+// Q5_0 +13-15%, docs/BENCHMARKS.md gemm-peak-avx2), though 16 ymm registers then spill the float accumulators
+#define TILE_MAX 4
 #define PREFETCH_AHEAD 2048
 
-static inline __m256i broadcast4_256(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
+static inline __m256i broadcast4_256(const int8_t *p) { return _mm256_set1_epi32(word_at(p)); }
 
 static inline __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
@@ -36,11 +34,8 @@ static inline __m256i expand_mask(uint32_t m, __m256i bit) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, select), bit);
 }
 
-static inline uint32_t mask_half(const uint8_t *p, int h) {
-    uint32_t m;
-    memcpy(&m, p + 4 * h, 4);  // bits 32h .. 32h + 31 of the vector's u64: its bytes of rows 8h .. 8h + 7
-    return m;
-}
+// bits 32h .. 32h + 31 of a vector's u64 mask: its bytes of rows 8h .. 8h + 7
+static inline uint32_t mask_half(const uint8_t *p, int h) { return (uint32_t)word_at(p + 4 * h); }
 
 #if defined(__AVXVNNI__)
 // acc += the sums of 4 products of a (unsigned) and b (signed), as vpdpbusd
@@ -154,34 +149,5 @@ static inline __attribute__((always_inline)) void panel_tile(const int type, con
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(y[u] + 8 * h, _mm256_add_ps(facc[u][h], oacc[u][h]));
 }
 
-#define PANEL_FNS(NAME, TYPE)                                                                                     \
-    static void NAME##_1(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) {                        \
-        panel_tile(TYPE, 1, p, k, x, y);                                                                          \
-    }                                                                                                             \
-    static void NAME##_2(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) {                        \
-        panel_tile(TYPE, 2, p, k, x, y);                                                                          \
-    }
-PANEL_FNS(q4_0, T_Q4_0)
-PANEL_FNS(q4_1, T_Q4_1)
-PANEL_FNS(q5_0, T_Q5_0)
-PANEL_FNS(q5_1, T_Q5_1)
-PANEL_FNS(q8_0, T_Q8_0)
-PANEL_FNS(q4_k, T_Q4_K)
-PANEL_FNS(q5_k, T_Q5_K)
-PANEL_FNS(q6_k, T_Q6_K)
-#undef PANEL_FNS
-
-static PanelFn panel_fn(int type, int tile) {
-#define PICK(NAME) return tile == 1 ? NAME##_1 : NAME##_2
-    switch (type) {
-    case T_Q4_0: PICK(q4_0);
-    case T_Q4_1: PICK(q4_1);
-    case T_Q5_0: PICK(q5_0);
-    case T_Q5_1: PICK(q5_1);
-    case T_Q8_0: PICK(q8_0);
-    case T_Q4_K: PICK(q4_k);
-    case T_Q5_K: PICK(q5_k);
-    default: PICK(q6_k);
-    }
-#undef PICK
-}
+// the tile sizes gguf_panels.c compiles a function for (F: its macro for one function or one table entry)
+#define PANEL_TILES(F, NAME, TYPE) F(NAME, TYPE, 1) F(NAME, TYPE, 2) F(NAME, TYPE, 3) F(NAME, TYPE, 4)

@@ -6,11 +6,7 @@
 #define PREFETCH_AHEAD 2048  // bytes: the weights a few groups on, in flight while this group computes
 
 
-static inline __m512i broadcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
+static inline __m512i broadcast4(const int8_t *p) { return _mm512_set1_epi32(word_at(p)); }
 
 static inline __m512 half16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
@@ -123,40 +119,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int type, con
     for (int u = 0; u < tile; u++) _mm512_storeu_ps(y[u], _mm512_add_ps(facc[u], oacc[u]));
 }
 
-#define PANEL_FNS(NAME, TYPE)                                                                                     \
-    static void NAME##_1(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) { panel_tile(TYPE, 1, p, k, x, y); } \
-    static void NAME##_2(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) { panel_tile(TYPE, 2, p, k, x, y); } \
-    static void NAME##_3(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) { panel_tile(TYPE, 3, p, k, x, y); } \
-    static void NAME##_4(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) { panel_tile(TYPE, 4, p, k, x, y); } \
-    static void NAME##_5(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) { panel_tile(TYPE, 5, p, k, x, y); } \
-    static void NAME##_6(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) { panel_tile(TYPE, 6, p, k, x, y); } \
-    static void NAME##_7(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) { panel_tile(TYPE, 7, p, k, x, y); } \
-    static void NAME##_8(const uint8_t *p, int64_t k, const Token *x, float (*y)[PANEL]) { panel_tile(TYPE, 8, p, k, x, y); }
-PANEL_FNS(q4_0, T_Q4_0)
-PANEL_FNS(q4_1, T_Q4_1)
-PANEL_FNS(q5_0, T_Q5_0)
-PANEL_FNS(q5_1, T_Q5_1)
-PANEL_FNS(q8_0, T_Q8_0)
-PANEL_FNS(q4_k, T_Q4_K)
-PANEL_FNS(q5_k, T_Q5_K)
-PANEL_FNS(q6_k, T_Q6_K)
-
-static PanelFn panel_fn(int type, int tile) {
-#define PICK(NAME)                                                                                                 \
-    {                                                                                                              \
-        const PanelFn fns[TILE_MAX] = {NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7,      \
-                                       NAME##_8};                                                                  \
-        return fns[tile - 1];                                                                                      \
-    }
-    switch (type) {
-    case T_Q4_0: PICK(q4_0);
-    case T_Q4_1: PICK(q4_1);
-    case T_Q5_0: PICK(q5_0);
-    case T_Q5_1: PICK(q5_1);
-    case T_Q8_0: PICK(q8_0);
-    case T_Q4_K: PICK(q4_k);
-    case T_Q5_K: PICK(q5_k);
-    default: PICK(q6_k);
-    }
-#undef PICK
-}
+// the tile sizes gguf_panels.c compiles a function for (F: its macro for one function or one table entry)
+#define PANEL_TILES(F, NAME, TYPE)                                                                                 \
+    F(NAME, TYPE, 1) F(NAME, TYPE, 2) F(NAME, TYPE, 3) F(NAME, TYPE, 4) F(NAME, TYPE, 5) F(NAME, TYPE, 6)          \
+    F(NAME, TYPE, 7) F(NAME, TYPE, 8)
