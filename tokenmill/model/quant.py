@@ -41,8 +41,8 @@ def resolve_quantization(mode: str, device: str, gguf_weights: bool = False) -> 
     instructions, it runs through the kernel's AVX2 branch. A GGUF file's own blocks (`gguf_weights`), repacked
     into row panels (gguf_panels.c, AVX512-VNNI or AVX2), stream fewer bytes than int8 and decode faster: on
     AVX512-VNNI bundled SmolLM2 Q4_1 1.4x, Qwen2.5-0.5B Q4_K_M 1.1x; with the AVX2 kernels (TOKENMILL_ISA=avx2)
-    1.1-1.3x at one stream, prompts as fast or faster (docs/BENCHMARKS.md "gguf", "gguf-avx2"); so there `auto`
-    is `gguf`. Where no panel kernel is built (no AVX2), int8 or float32. On GPUs, and on CPUs where the native
+    1.03-1.17x at one stream, 1.1-1.24x at 8, prompts 1.09-1.37x (docs/BENCHMARKS.md "gguf", "gguf-avx2"); so
+    there `auto` is `gguf`. Where no panel kernel is built (no AVX2), int8 or float32. On CPUs where the native
     kernels cannot be built, `auto` keeps float32. On GPUs `auto` is bf16 where the device computes in bf16
     (float32 otherwise).
     """
