@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.isa import ISA_LEVELS, compiler_flags, cpu_level, flags_at, requested_level
+from tokenmill.isa import compiler_flags, cpu_level, flags_at, requested_level, runnable_levels
 from tokenmill.platform import raw_cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +25,9 @@ SAPPHIRE_RAPIDS = ZEN3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512
 def test_levels_keep_the_flags_up_to_them_and_build_within_them(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_level(ZEN3) == "avx2" and cpu_level(SAPPHIRE_RAPIDS) == "avx512_vnni"
     assert cpu_level(ZEN3 | {"avx_vnni"}) == "avx2_vnni" and cpu_level({"sse2"}) == "generic"
+    assert runnable_levels(SAPPHIRE_RAPIDS) == ["generic", "avx2", "avx2_vnni", "avx512", "avx512_vnni"]
+    assert runnable_levels(ZEN3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}) == [
+        "generic", "avx2", "avx512"]
     assert flags_at(None, SAPPHIRE_RAPIDS) == SAPPHIRE_RAPIDS
     assert not any(f.startswith(("avx512", "amx")) or f == "avx_vnni" for f in flags_at("avx2", SAPPHIRE_RAPIDS))
     assert "avx_vnni" in flags_at("avx2_vnni", SAPPHIRE_RAPIDS)
@@ -42,26 +45,8 @@ def test_levels_keep_the_flags_up_to_them_and_build_within_them(monkeypatch: pyt
     assert requested_level(ZEN3) == "avx2"
 
 
-def _lower_levels() -> list[str]:
-    """The levels below this host's own that it can run (its own is what every other test runs)."""
-    raw = raw_cpu_flags()
-    own = cpu_level(raw)
-    levels = []
-    for level in ISA_LEVELS:
-        if level == own:
-            continue
-        os.environ["TOKENMILL_ISA"] = level
-        try:
-            requested_level(raw)
-            levels.append(level)
-        except ValueError:
-            pass
-        finally:
-            del os.environ["TOKENMILL_ISA"]
-    return levels
-
-
-LOWER = _lower_levels()
+# the levels below this host's own that it can run (its own is what every other test runs)
+LOWER = runnable_levels(raw_cpu_flags())[:-1]
 OUTPUTS = """
 import sys, numpy as np, torch
 from tokenmill import kernels

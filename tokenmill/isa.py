@@ -22,10 +22,15 @@ _NEEDS = {"generic": frozenset(), "avx2": _AVX2_BASE, "avx2_vnni": _AVX2_BASE | 
           "avx512": _AVX512_BASE, "avx512_vnni": _AVX512_BASE | {"avx512_vnni"}}
 
 
+def runnable_levels(flags: Iterable[str]) -> list[str]:
+    """The levels a CPU with these /proc/cpuinfo flags runs, lowest first."""
+    have = set(flags)
+    return [level for level in ISA_LEVELS if _NEEDS[level] <= have]
+
+
 def cpu_level(flags: Iterable[str]) -> str:
     """The highest level a CPU with these /proc/cpuinfo flags runs."""
-    have = set(flags)
-    return next(level for level in reversed(ISA_LEVELS) if _NEEDS[level] <= have)
+    return runnable_levels(flags)[-1]
 
 
 def requested_level(raw_flags: frozenset[str]) -> str | None:
