@@ -32,7 +32,7 @@ from tokenmill.bench.loadgen import run_load
 from tokenmill.bench.report import machine_description, markdown_table, write_section
 from tokenmill.bench.server_process import live_server
 from tokenmill.bench.stats import summarize
-from tokenmill.bench.sweep import stream_gaps, worst_gap_during_long_prefill
+from tokenmill.bench.sweep_scenarios import stream_gaps, worst_gap_during_long_prefill
 from tokenmill.engine.replica import cpu_share
 from tokenmill.model.loader import load_model
 from tokenmill.model.tokenizer import Tokenizer

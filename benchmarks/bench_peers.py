@@ -39,7 +39,7 @@ from tokenmill.bench.offline import OfflineRates, peer_protocol_llm, peer_protoc
 from tokenmill.bench.report import machine_description, markdown_table, write_section
 from tokenmill.bench.server_process import free_port, live_server
 from tokenmill.bench.stats import summarize
-from tokenmill.bench.sweep import worst_gap_during_long_prefill
+from tokenmill.bench.sweep_scenarios import worst_gap_during_long_prefill
 from tokenmill.model.loader import resolve_model_path
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.platform import isa_level

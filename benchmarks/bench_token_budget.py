@@ -15,6 +15,7 @@ docs/BENCHMARKS.md. Each server runs alone; run it on an idle machine.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import subprocess
 import sys
@@ -23,16 +24,25 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenmill.bench import workloads  # noqa: E402
+from tokenmill.bench.loadgen import run_load  # noqa: E402
 from tokenmill.bench.machine import memory_bandwidth_gbs  # noqa: E402
 from tokenmill.bench.report import machine_description, markdown_table, write_section  # noqa: E402
 from tokenmill.bench.server_process import live_server  # noqa: E402
-from tokenmill.bench.stats import summarize  # noqa: E402
-from tokenmill.bench.sweep import _load, stream_gaps, worst_gap_during_long_prefill  # noqa: E402
+from tokenmill.bench.stats import (
+    RequestResult,  # noqa: E402
+    summarize,  # noqa: E402
+)
+from tokenmill.bench.sweep_scenarios import stream_gaps, worst_gap_during_long_prefill  # noqa: E402
 from tokenmill.model.loader import bundled_model_path  # noqa: E402
 from tokenmill.model.tokenizer import Tokenizer  # noqa: E402
 
 SLO_TTFT, SLO_TPOT = 2.0, 0.1
 
+
+
+def _load(url: str, items: list[workloads.WorkItem], rate: float, seed: int) -> tuple[list[RequestResult], float]:
+    return asyncio.run(run_load(url, "SmolLM2-135M-Instruct", items, rate, seed=seed, progress=False,
+                                token_prompts=True))
 
 def server_flags(config: str) -> list[str]:
     """"fixed N" or "target T" -> the serve flags."""

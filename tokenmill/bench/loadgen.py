@@ -8,6 +8,7 @@ import json
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -33,7 +34,9 @@ def arrival_times(items: Sequence[WorkItem], request_rate: float, seed: int) -> 
 
 
 async def send_one(client: httpx.AsyncClient, model: str, item: WorkItem, token_prompts: bool,
-                   extra_body: dict[str, Any]) -> RequestResult:
+                   extra_body: dict[str, Any], result: RequestResult | None = None) -> RequestResult:
+    """Stream one completion into `result` (a new one if None): what arrived stays there if the task is
+    cancelled midway."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": item.prompt_token_ids if token_prompts else item.prompt,
@@ -44,7 +47,9 @@ async def send_one(client: httpx.AsyncClient, model: str, item: WorkItem, token_
         "ignore_eos": True,
         **extra_body,
     }
-    result = RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids), start=time.perf_counter())
+    if result is None:
+        result = RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids))
+    result.start = time.perf_counter()
     chunks = 0
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -83,8 +88,11 @@ async def send_one(client: httpx.AsyncClient, model: str, item: WorkItem, token_
 async def run_load(base_url: str, model: str, items: Sequence[WorkItem], request_rate: float = float("inf"),
                    max_concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
                    token_prompts: bool = False, extra_body: dict[str, Any] | None = None,
-                   progress: bool = True, timeout: float = 600.0) -> tuple[list[RequestResult], float]:
-    """Send every item; returns the results (in item order) and the wall-clock duration."""
+                   progress: bool = True, timeout: float = 600.0,
+                   deadline: float | None = None) -> tuple[list[RequestResult], float]:
+    """Send every item; returns the results (in item order) and the wall-clock duration. With a `deadline`
+    (seconds after the start), requests still open then are cut (the client disconnects, the server aborts
+    them): their results keep what arrived, with ok False and the error saying so."""
     times = arrival_times(items, request_rate, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -93,23 +101,78 @@ async def run_load(base_url: str, model: str, items: Sequence[WorkItem], request
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=headers, limits=connections) as client:
         start = time.perf_counter()
 
-        async def one(item: WorkItem, at: float) -> RequestResult:
+        results = [RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids)) for item in items]
+
+        async def one(item: WorkItem, at: float, result: RequestResult) -> None:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             if limit is None:
-                result = await send_one(client, model, item, token_prompts, extra_body or {})
+                await send_one(client, model, item, token_prompts, extra_body or {}, result)
             else:
                 async with limit:
-                    result = await send_one(client, model, item, token_prompts, extra_body or {})
+                    await send_one(client, model, item, token_prompts, extra_body or {}, result)
             if bar:
                 bar[0].advance(bar[1])
-            return result
 
+        tasks = [asyncio.ensure_future(one(item, at, result)) for item, at, result in zip(items, times, results)]
         try:
-            results = await asyncio.gather(*(one(item, at) for item, at in zip(items, times)))
+            done, pending = await asyncio.wait(tasks, timeout=deadline)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in done:
+                task.result()  # a client-side bug surfaces here rather than as a silent failed request
         finally:
             if bar:
                 bar[0].stop()
-        return list(results), time.perf_counter() - start
+        for result in results:
+            if not result.ok and result.error is None:
+                result.error = "cut at the deadline"
+        return results, time.perf_counter() - start
+
+
+async def run_closed_loop(base_url: str, model: str, items: Sequence[WorkItem], concurrency: int,
+                          token_prompts: bool = True, timeout: float = 600.0) -> ClosedLoop:
+    """`concurrency` clients, each sending its next item as soon as its last one finished, until the items run
+    out; then the open requests are cut. The load stays at `concurrency` from the start to the last send."""
+    queue = list(reversed(items))
+    results: list[RequestResult] = []
+    sends: list[float] = []
+    connections = httpx.Limits(max_connections=max(100, concurrency))
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=connections) as client:
+        start = time.perf_counter()
+
+        async def client_loop() -> None:
+            while queue:
+                item = queue.pop()
+                result = RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids))
+                results.append(result)
+                sends.append(time.perf_counter())
+                await send_one(client, model, item, token_prompts, {}, result)
+
+        tasks = [asyncio.ensure_future(client_loop()) for _ in range(concurrency)]
+        while queue and not all(task.done() for task in tasks):
+            await asyncio.sleep(0.02)
+        end = max(sends, default=time.perf_counter())
+        for task in tasks:
+            task.cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+            raise outcome
+    return ClosedLoop(results, sorted(sends), start, end)
+
+
+@dataclass
+class ClosedLoop:
+    results: list[RequestResult]  # in send order; the last `concurrency` were cut
+    sends: list[float]  # when each request was sent (perf_counter)
+    start: float
+    end: float  # the last send: the load was full until then
+
+    def output_rate(self, since: float) -> float:
+        """Output tokens per second streamed between `since` and the last send."""
+        tokens = sum(1 for r in self.results for t in r.chunk_times if since <= t <= self.end)
+        return tokens / (self.end - since) if self.end > since else 0.0
 
 
 def _bar(total: int):  # noqa: ANN202

@@ -1,335 +1,331 @@
-"""`tokenmill bench sweep`: the serving experiments end to end on this machine, into docs/BENCHMARKS.md and
-PNG plots under docs/plots/.
+"""`tokenmill bench sweep`: the serving experiments end to end on this machine (the claim continuous batching
+makes, measured against static and dynamic batching at their best), written as a section of BENCHMARKS.md with
+its plots and the raw numbers (JSON).
 
-1. throughput and TTFT/TPOT versus request rate for static, dynamic and continuous batching (same engine);
-2. the short streams' inter-token gaps when a ~3,000-token prompt arrives, chunked prefill on and off;
-3. TTFT on a shared-prefix workload with prefix caching on and off, and the hit rate;
-4. KV memory holding real tokens versus reserved, paged versus static reservation.
-"""
+Phases: the single stream (the SLOs' base), each mode's capacity in a closed loop (the baselines at each batch
+size), Poisson rates around each mode's capacity, the simulator's prediction of the same, chunked prefill under a
+long prompt, prefix caching, KV memory held versus used."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import statistics
+import dataclasses
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
-import httpx
-
+import tokenmill
+from tokenmill.bench import sweep_scenarios as scenarios
 from tokenmill.bench import workloads
-from tokenmill.bench.loadgen import run_load
-from tokenmill.bench.offline import run_offline
-from tokenmill.bench.report import DOC, machine_description, markdown_table, write_section
+from tokenmill.bench.report import machine_description, write_section
 from tokenmill.bench.server_process import live_server
-from tokenmill.bench.stats import RequestResult, summarize
+from tokenmill.bench.sweep_load import (
+    Capacity,
+    RatePoint,
+    ServerFacts,
+    capacity_items,
+    goodput_knee,
+    measure_capacity,
+    measure_rate,
+    points_requests,
+    server_facts,
+    single_stream,
+    warm_up,
+)
+from tokenmill.bench.sweep_report import MODES, SweepData, report_body, write_plots
+from tokenmill.bench.workloads import WorkItem
 from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.model.loader import load_model
 from tokenmill.model.tokenizer import Tokenizer
-from tokenmill.server.metrics import metric_value
 
-MODEL = "SmolLM2-135M-Instruct"
-PLOTS = DOC.parent / "plots"
+TIME_TARGET_MIN = 20.0  # the bundled model's whole sweep
 
 
-def _load(url: str, items: list[workloads.WorkItem], rate: float, seed: int) -> tuple[list[RequestResult], float]:
-    return asyncio.run(run_load(url, MODEL, items, rate, seed=seed, progress=True, token_prompts=True))
+def default_output_dir() -> Path:
+    """docs/ of the clone this package runs from; otherwise ./tokenmill-sweep (never beside site-packages)."""
+    root = Path(tokenmill.__file__).resolve().parents[1]
+    return root / "docs" if (root / ".git").exists() and (root / "docs").is_dir() else Path.cwd() / "tokenmill-sweep"
 
 
-def _save(fig: Any, name: str) -> str:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(PLOTS / name, dpi=110)
-    plt.close(fig)
-    return name
-
-
-# ------------------------------------------------------------------ 1. batching modes vs request rate
-
-
-def exp_rates(tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, Any]:
-    modes = ["static", "dynamic", "continuous"]
-    rates = args.rates
-    out: dict[str, dict[float, dict[str, Any]]] = {m: {} for m in modes}
-    for mode in modes:
-        with live_server("--batching", mode, "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching") as srv:
-            for i, rate in enumerate(rates):
-                items = workloads.mixed(tokenizer, args.num_requests, seed=args.seed + i,
-                                        output_range=(8, args.max_output))
-                results, duration = _load(srv.url, items, rate, args.seed + i)
-                summary = summarize(results, duration, args.slo_ttft, args.slo_tpot)
-                out[mode][rate] = summary
-                print(f"  {mode:>10} rate {rate:>5}: {summary['output_throughput']:6.1f} tok/s, "
-                      f"TTFT p50 {summary['ttft_s']['p50']:.2f} s, TPOT p50 {summary['tpot_s']['p50']:.3f} s, "
-                      f"good {summary['good_share']:.0%}", flush=True)
-    return {"modes": modes, "rates": rates, "results": out}
+def provenance() -> str:
+    root = Path(tokenmill.__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        commit += " (with uncommitted changes)" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = f"tokenmill {getattr(tokenmill, '__version__', 'installed')} (not a clone)"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"Measured {date} on {machine_description()}; commit {commit}; command "
+            f"`tokenmill {shlex.join(sys.argv[1:])}`")
 
 
-def plot_rates(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
+class Phases:
+    """A progress line per phase: what it is, about how long it takes, and when the whole sweep should end."""
 
-    rates = data["rates"]
-    labels = [("burst" if r == float("inf") else f"{r:g}") for r in rates]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for mode in data["modes"]:
-        res = [data["results"][mode][r] for r in rates]
-        axes[0].plot(labels, [s["output_throughput"] for s in res], marker="o", label=mode)
-        axes[1].plot(labels, [s["ttft_s"]["p50"] for s in res], marker="o", label=mode)
-        axes[2].plot(labels, [s["tpot_s"]["p50"] for s in res], marker="o", label=mode)
-    for ax, title in zip(axes, ["output tokens/s", "TTFT p50 (s)", "TPOT p50 (s)"]):
-        ax.set_title(title)
-        ax.set_xlabel("request rate (req/s)")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    return _save(fig, "rates.png")
+    def __init__(self, estimates: dict[str, float]) -> None:
+        self.estimates = estimates
+        self.start = time.monotonic()
+        self.done: list[str] = []
 
-
-# ------------------------------------------------------------------ 2. long prompt interference
-
-
-def stream_gaps(results: list[RequestResult]) -> list[tuple[float, float]]:
-    """(previous chunk time, chunk time) of every consecutive pair in the short streams (all but the last)."""
-    return [(a, b) for r in results[:-1] for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-
-
-def worst_gap_during_long_prefill(results: list[RequestResult]) -> float:
-    """`long-interference`: the longest stall of a short stream between the long prompt's arrival (the last
-    request) and its first token (+0.5 s)."""
-    long_result = results[-1]
-    end = long_result.start + (long_result.ttft or 0.0) + 0.5
-    return max((b - a for a, b in stream_gaps(results) if b >= long_result.start and a <= end), default=0.0)
-
-
-def exp_interference(tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, Any]:
-    items = workloads.long_interference(tokenizer, args.seed, long_prompt=args.long_prompt)
-    configs = [("chunked, budget 256", 256), ("chunked, budget 1024", 1024), ("no chunking", 4096)]
-    out = {}
-    for name, budget in configs:
-        with live_server("--max-num-batched-tokens", str(budget), "--no-prefix-caching") as srv:
-            results, _ = _load(srv.url, items, float("inf"), args.seed)
-        long_result = results[-1]
-        pairs = stream_gaps(results)
-        gaps_before = [b - a for a, b in pairs if b < long_result.start]
-        timeline = [(b - long_result.start, b - a) for a, b in pairs]
-        out[name] = {"budget": budget, "worst_gap": worst_gap_during_long_prefill(results),
-                     "median_gap_before": statistics.median(gaps_before) if gaps_before else 0.0,
-                     "long_ttft": long_result.ttft, "timeline": timeline}
-        print(f"  {name:>22}: worst gap during long prefill {out[name]['worst_gap']:.2f} s, "
-              f"long TTFT {long_result.ttft:.1f} s", flush=True)
-    return out
-
-
-def plot_interference(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for name, d in data.items():
-        xs, ys = zip(*d["timeline"]) if d["timeline"] else ((), ())
-        ax.scatter(xs, ys, s=8, label=name)
-    ax.axvline(0, color="gray", linestyle="--", linewidth=1)
-    ax.set_xlabel("time since the long prompt arrived (s)")
-    ax.set_ylabel("inter-token gap of short streams (s)")
-    ax.set_yscale("log")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _save(fig, "interference.png")
-
-
-# ------------------------------------------------------------------ 3. prefix caching
-
-
-def exp_prefix(tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, Any]:
-    items = workloads.shared_prefix(tokenizer, args.prefix_requests, args.seed)
-    out = {}
-    for caching in (False, True):
-        flags = [] if caching else ["--no-prefix-caching"]
-        with live_server(*flags) as srv:
-            results, duration = _load(srv.url, items, args.prefix_rate, args.seed)
-            text = httpx.get(srv.url + "/metrics").text
-        queries = metric_value(text, "tokenmill:prefix_cache_queries_total") or 0.0
-        hits = metric_value(text, "tokenmill:prefix_cache_hits_total") or 0.0
-        summary = summarize(results, duration)
-        out["on" if caching else "off"] = {"summary": summary, "hit_rate": hits / queries if queries else 0.0,
-                                           "ttfts": sorted(r.ttft for r in results if r.ttft is not None)}
-        print(f"  prefix caching {'on ' if caching else 'off'}: TTFT mean {summary['ttft_s']['mean']:.2f} s, "
-              f"hit rate {out['on' if caching else 'off']['hit_rate']:.1%}", flush=True)
-    return out
-
-
-def plot_prefix(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("off", "on"):
-        ttfts = data[name]["ttfts"]
-        ax.step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post",
-                label=f"prefix caching {name}")
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("share of requests")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _save(fig, "prefix_ttft_cdf.png")
-
-
-# ------------------------------------------------------------------ 4. KV memory
-
-
-def exp_kv(tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, Any]:
-    loaded = load_model(None)
-    items = workloads.mixed(tokenizer, args.kv_requests, seed=args.seed, output_range=(8, args.max_output))
-    out = {}
-    for mode in ("static", "continuous"):
-        config = EngineConfig(batching=mode, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
-        engine = LLMEngine.from_loaded(config, loaded, tokenizer)
-        out[mode] = run_offline(engine, items)
-        print(f"  {mode:>10}: real tokens / reserved slots {out[mode]['kv_real_share']:.1%}", flush=True)
-    return out
-
-
-def plot_kv(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 4))
-    names = ["static (reserved)", "paged (continuous)"]
-    shares = [data["static"]["kv_real_share"] * 100, data["continuous"]["kv_real_share"] * 100]
-    ax.bar(names, shares, color=["tab:red", "tab:green"])
-    ax.set_ylabel("% of held KV slots holding real tokens")
-    ax.set_ylim(0, 100)
-    for i, v in enumerate(shares):
-        ax.text(i, v + 1, f"{v:.0f}%", ha="center")
-    return _save(fig, "kv_memory.png")
-
-
-# ------------------------------------------------------------------ report
-
-
-def _sustained(results: dict[float, dict[str, Any]], share: float) -> str:
-    ok = [r for r, s in results.items() if r != float("inf") and s["good_share"] >= share]
-    return f"{max(ok):g} req/s" if ok else "none of the tested rates"
-
-
-def write_report(args: argparse.Namespace, rates: dict[str, Any], inter: dict[str, Any], prefix: dict[str, Any],
-                 kv: dict[str, Any], plots: dict[str, str], elapsed: float) -> None:
-    rate_rows = []
-    for mode in rates["modes"]:
-        for rate, s in rates["results"][mode].items():
-            rate_rows.append([mode, "burst" if rate == float("inf") else f"{rate:g}",
-                              round(s["output_throughput"], 1), round(s["request_throughput"], 3),
-                              round(s["ttft_s"]["p50"], 2), round(s["ttft_s"]["p90"], 2),
-                              round(s["tpot_s"]["p50"], 3), round(s["tpot_s"]["p90"], 3),
-                              f"{s['good_share']:.0%}"])
-    top_rate = max(rates["rates"])
-    cont = rates["results"]["continuous"][top_rate]["output_throughput"]
-    stat = rates["results"]["static"][top_rate]["output_throughput"]
-    gain = cont / stat if stat else float("inf")
-    chunked = inter["chunked, budget 256"]["worst_gap"]
-    unchunked = inter["no chunking"]["worst_gap"]
-    gap_ratio = unchunked / chunked if chunked else float("inf")
-    off, on = prefix["off"]["summary"], prefix["on"]["summary"]
-    ttft_ratio = off["ttft_s"]["mean"] / on["ttft_s"]["mean"] if on["ttft_s"]["mean"] else float("inf")
-
-    def verdict(value: float, target: float) -> str:
-        return f"**{value:.2f}x** (target >= {target:g}x: {'met' if value >= target else 'NOT met'})"
-
-    body = "\n".join([
-        "## Serving experiments (`tokenmill bench sweep`)",
-        "",
-        f"Machine: {machine_description()}. Each experiment starts `tokenmill serve` on the bundled model "
-        f"and drives it over loopback with `tokenmill bench serve`'s load generator (streaming completions, "
-        f"greedy, EOS ignored). The whole sweep took {elapsed / 60:.1f} minutes.",
-        "",
-        "### Targets",
-        "",
-        f"- Continuous vs static output throughput on `mixed` (burst load): {verdict(gain, 2)}.",
-        f"- Short streams' worst inter-token gap while a {args.long_prompt}-token prompt is prefilled, without vs "
-        f"with chunked prefill (budget 256): {verdict(gap_ratio, 3)} ({unchunked:.2f} s vs {chunked:.2f} s).",
-        f"- Mean TTFT on `shared-prefix`, prefix caching off vs on: {verdict(ttft_ratio, 3)} "
-        f"({off['ttft_s']['mean']:.2f} s vs {on['ttft_s']['mean']:.2f} s).",
-        "",
-        f"### 1. Batching modes versus request rate (`mixed`, {args.num_requests} requests per point, prompts "
-        f"32-512 tokens, outputs 8-{args.max_output} heavy-tailed, max_num_seqs={args.max_num_seqs})",
-        "",
-        "Each rate point has its own seeded workload (the same one for all three modes): compare modes within a "
-        "rate. " + f"SLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; \"good\" is the share of requests "
-        "within both (goodput). Highest tested Poisson rate with >= 90% good requests: " + ", ".join(
-            f"{m} {_sustained(rates['results'][m], 0.9)}" for m in rates["modes"]) + ".",
-        "",
-        markdown_table(["mode", "rate (req/s)", "output tok/s", "req/s", "TTFT p50 (s)", "TTFT p90 (s)",
-                        "TPOT p50 (s)", "TPOT p90 (s)", "good"], rate_rows),
-        "",
-        f"![throughput and latency versus rate](plots/{plots['rates']})",
-        "",
-        f"### 2. Chunked prefill: short streams while a {args.long_prompt}-token prompt arrives (`long-interference`)",
-        "",
-        markdown_table(["configuration", "worst gap during long prefill (s)", "median gap before (s)",
-                        "long prompt TTFT (s)"],
-                       [[n, round(d["worst_gap"], 2), round(d["median_gap_before"], 3), round(d["long_ttft"], 1)]
-                        for n, d in inter.items()]),
-        "",
-        f"![inter-token gaps](plots/{plots['interference']})",
-        "",
-        f"### 3. Prefix caching (`shared-prefix`: {args.prefix_requests} requests sharing a 768-token preamble, "
-        f"Poisson {args.prefix_rate:g} req/s)",
-        "",
-        markdown_table(["prefix caching", "TTFT mean (s)", "TTFT p50 (s)", "TTFT p90 (s)", "hit rate"],
-                       [[name, round(prefix[name]["summary"]["ttft_s"]["mean"], 2),
-                         round(prefix[name]["summary"]["ttft_s"]["p50"], 2),
-                         round(prefix[name]["summary"]["ttft_s"]["p90"], 2), f"{prefix[name]['hit_rate']:.1%}"]
-                        for name in ("off", "on")]),
-        "",
-        f"![TTFT distribution](plots/{plots['prefix']})",
-        "",
-        f"### 4. KV memory holding real tokens (offline, `mixed`, {args.kv_requests} requests)",
-        "",
-        markdown_table(["allocation", "real tokens / held slots", "blocks in use (mean)"],
-                       [["static reservation (prompt + max_tokens up front)",
-                         f"{kv['static']['kv_real_share']:.1%}", f"{kv['static']['kv_usage']:.1%}"],
-                        ["paged, on demand (continuous)", f"{kv['continuous']['kv_real_share']:.1%}",
-                         f"{kv['continuous']['kv_usage']:.1%}"]]),
-        "",
-        f"![KV memory](plots/{plots['kv']})",
-    ])
-    write_section("serving", body)
+    def begin(self, name: str, estimate: float | None = None) -> None:
+        if estimate is not None:
+            self.estimates[name] = estimate
+        remaining = sum(s for n, s in self.estimates.items() if n not in self.done)
+        index = list(self.estimates).index(name) + 1
+        print(f"[{index}/{len(self.estimates)}] {name}: about {self.estimates[name]:.0f} s; elapsed "
+              f"{time.monotonic() - self.start:.0f} s, sweep ETA about {remaining:.0f} s", flush=True)
+        self.done.append(name)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    # More requests than batch slots: refilling freed slots is what continuous batching adds.
-    parser.add_argument("--num-requests", type=int, default=24)
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, float("inf")])
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--max-output", type=int, default=256)
-    parser.add_argument("--slo-ttft", type=float, default=5.0)
-    parser.add_argument("--slo-tpot", type=float, default=0.4)
-    parser.add_argument("--long-prompt", type=int, default=3000)
-    parser.add_argument("--prefix-requests", type=int, default=20)
-    parser.add_argument("--prefix-rate", type=float, default=0.5)
-    parser.add_argument("--kv-requests", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=0)
+    a = parser.add_argument
+    a("--model", default=None, help="GGUF file or HF directory to serve (default: the bundled SmolLM2-135M)")
+    a("--output", default=None, metavar="DIR",
+      help="where BENCHMARKS.md (its section), plots/ and the raw JSON go (default: docs/ when run from a clone, "
+           "else ./tokenmill-sweep)")
+    a("--batch-sizes", type=int, nargs="+", default=[8, 16, 32],
+      help="max_num_seqs values static and dynamic batching run at; each keeps its best")
+    a("--rate-multiples", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5],
+      help="Poisson rates swept, as multiples of each mode's measured capacity")
+    a("--requests-per-point", type=int, default=100, help="requests at each rate (fewer under --point-seconds)")
+    a("--point-seconds", type=float, default=25.0,
+      help="cap on a rate point's arrivals: a low rate sends rate x this many requests if under "
+           "--requests-per-point")
+    a("--min-requests", type=int, default=20, help="floor on a rate point's requests")
+    a("--prompt-range", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+      help="prompt tokens, uniform (outputs longer than prompts on average, as in chat datasets)")
+    a("--output-range", type=int, nargs=2, default=[8, 512], metavar=("MIN", "MAX"),
+      help="output tokens, log-normal (sigma 1) clipped to this range")
+    a("--output-median", type=float, default=96.0, help="median of the output tokens")
+    a("--slo-ttft", type=float, default=None, help="TTFT SLO in s (default: --slo-ttft-multiple x single stream)")
+    a("--slo-tpot", type=float, default=None, help="TPOT SLO in s (default: --slo-tpot-multiple x single stream)")
+    a("--slo-ttft-multiple", type=float, default=3.0, help="the TTFT SLO as a multiple of the single stream's")
+    a("--slo-tpot-multiple", type=float, default=2.0, help="the TPOT SLO as a multiple of the single stream's")
+    a("--attainment", type=float, default=0.9, help="share of requests within the SLOs that counts as meeting them")
+    a("--long-prefill-seconds", type=float, default=2.0,
+      help="the interference run's long prompt is sized to take at least this long to prefill alone")
+    a("--prefix-requests", type=int, default=20, help="requests of the shared-prefix run")
+    a("--prefix-rate", type=float, default=1.0, help="their Poisson rate (req/s)")
+    a("--prefix-len", type=int, default=1024, help="tokens of the preamble they share")
+    a("--kv-requests", type=int, default=24, help="requests of the offline KV memory run")
+    a("--no-sim", dest="sim", action="store_false", help="skip the simulator's prediction")
+    a("--sim-repeats", type=int, default=3, help="timings per plan when calibrating the simulator")
+    a("--skip", nargs="+", default=[], choices=["interference", "prefix", "kv"], help="parts to leave out")
+    a("--seed", type=int, default=0, help="seed of every workload and arrival process")
+
+
+@dataclasses.dataclass
+class Sweep:
+    args: argparse.Namespace
+    tokenizer: Tokenizer
+    model_name: str
+    trace_path: str
+
+    def items(self, n: int, seed: int) -> list[WorkItem]:
+        a = self.args
+        return workloads.mixed(self.tokenizer, n, seed, prompt_range=tuple(a.prompt_range),
+                               output_range=tuple(a.output_range), output_median=a.output_median)
+
+    @contextmanager
+    def server(self, *flags: str) -> Iterator[ServerFacts]:
+        model = ["--model", self.args.model] if self.args.model else []
+        with live_server(*model, *flags) as srv:
+            yield server_facts(srv.url)
+
+    def mode_flags(self, mode: str, max_num_seqs: int) -> list[str]:
+        if mode == "continuous":  # the engine's defaults; its steps calibrate the simulator
+            return ["--no-prefix-caching", "--step-trace", self.trace_path]
+        return ["--batching", mode, "--max-num-seqs", str(max_num_seqs), "--no-prefix-caching"]
 
 
 def main(args: argparse.Namespace) -> int:
-    PLOTS.mkdir(parents=True, exist_ok=True)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    start = time.perf_counter()
-    loaded = load_model(None)
+    start = time.monotonic()
+    out_dir = Path(args.output) if args.output else default_output_dir()
+    loaded = load_model(args.model)
     tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
+    model_name = Path(loaded.path).name if args.model else "SmolLM2-135M-Instruct (bundled)"
     del loaded
-    print("1/4 batching modes versus request rate", flush=True)
-    rates = exp_rates(tokenizer, args)
-    print("2/4 long-prompt interference", flush=True)
-    inter = exp_interference(tokenizer, args)
-    print("3/4 prefix caching", flush=True)
-    prefix = exp_prefix(tokenizer, args)
-    print("4/4 KV memory", flush=True)
-    kv = exp_kv(tokenizer, args)
-    plots = {"rates": plot_rates(rates), "interference": plot_interference(inter), "prefix": plot_prefix(prefix),
-             "kv": plot_kv(kv)}
-    write_report(args, rates, inter, prefix, kv, plots, time.perf_counter() - start)
-    print(f"wrote {DOC} and {PLOTS}/ in {(time.perf_counter() - start) / 60:.1f} min")
+    defaults = EngineConfig()
+    runs = 1 + 2 * len(args.batch_sizes)
+    phases = Phases({"single stream": 20, "capacity": 60.0 * runs, "rates": 3 * 40.0 * len(args.rate_multiples),
+                     "simulator": 60 if args.sim else 0,
+                     "interference": 0 if "interference" in args.skip else 60,
+                     "prefix caching": 0 if "prefix" in args.skip else 10 + 2 * args.prefix_requests / args.prefix_rate,
+                     "KV memory": 0 if "kv" in args.skip else 30})
+    with tempfile.TemporaryDirectory() as tmp:
+        sweep = Sweep(args, tokenizer, model_name, str(Path(tmp) / "steps.jsonl"))
+        data, point_items, facts = measure(sweep, phases, defaults)
+        if args.sim:
+            phases.begin("simulator")
+            predict(sweep, data, point_items, facts, defaults)
+    scenario_parts(sweep, data, phases, facts.max_model_len)
+    data.elapsed_s = time.monotonic() - start
+    write(args, data, out_dir)
+    print(f"wrote {out_dir / 'BENCHMARKS.md'} and {out_dir / 'plots'}/ in {data.elapsed_s / 60:.1f} min")
     return 0
 
+
+def measure(sweep: Sweep, phases: Phases, defaults: EngineConfig,
+            ) -> tuple[SweepData, dict[str, list[list[WorkItem]]], ServerFacts]:
+    """The single stream, capacities and rate points; with the requests of each point and the server's facts
+    (the simulator replays both)."""
+    args = sweep.args
+    phases.begin("single stream")
+    with sweep.server(*sweep.mode_flags("continuous", defaults.max_num_seqs)) as server:
+        warm_up(server, sweep.tokenizer)
+        single = single_stream(server, sweep.tokenizer, sweep.items(8, args.seed + 1000))
+        facts = server
+    slo_ttft = args.slo_ttft or args.slo_ttft_multiple * single.ttft_s
+    slo_tpot = args.slo_tpot or args.slo_tpot_multiple * single.tpot_s
+    slo_source = ("given" if args.slo_ttft and args.slo_tpot else
+                  f"{args.slo_ttft_multiple:g}x and {args.slo_tpot_multiple:g}x the single stream's, unless given")
+    print(f"  single stream: TTFT {single.ttft_s * 1e3:.0f} ms, TPOT {single.tpot_s * 1e3:.1f} ms, prefill "
+          f"{single.prefill_tokens_per_s:.0f} tok/s; SLOs TTFT <= {slo_ttft:.3f} s, TPOT <= {slo_tpot * 1e3:.1f} ms",
+          flush=True)
+
+    phases.begin("capacity")
+    capacities: list[Capacity] = []
+    sizes = {"continuous": [defaults.max_num_seqs], "static": args.batch_sizes, "dynamic": args.batch_sizes}
+    for mode in MODES:
+        for size in sizes[mode]:
+            items = capacity_items(sweep.tokenizer, lambda _t, n, seed: sweep.items(n, seed), mode, size, args.seed)
+            with sweep.server(*sweep.mode_flags(mode, size)) as server:
+                warm_up(server, sweep.tokenizer)
+                capacities.append(measure_capacity(server, mode, size, items))
+            c = capacities[-1]
+            print(f"  {mode:>10} max_num_seqs {size:>3}: {c.output_tokens_per_s:6.1f} tok/s ({c.requests_per_s:.2f} "
+                  f"req/s), {c.mean_running:.1f} running, KV {c.mean_kv_usage:.0%}", flush=True)
+    best: dict[str, Capacity] = {
+        mode: max((c for c in capacities if c.mode == mode), key=lambda c: c.output_tokens_per_s) for mode in MODES}
+
+    plan = {mode: [(i, m, m * best[mode].requests_per_s) for i, m in enumerate(args.rate_multiples)] for mode in MODES}
+    sizes_of = {mode: [points_requests(rate, args.requests_per_point, args.point_seconds, args.min_requests)
+                       for _, _, rate in plan[mode]] for mode in MODES}
+    estimate = sum(n / rate + 5 for mode in MODES for (_, _, rate), n in zip(plan[mode], sizes_of[mode]))
+    phases.begin("rates", estimate)
+    points: dict[str, list[RatePoint]] = {}
+    point_items: dict[str, list[list[WorkItem]]] = {}
+    for mode in MODES:
+        points[mode], point_items[mode] = [], []
+        with sweep.server(*sweep.mode_flags(mode, best[mode].max_num_seqs)) as server:
+            warm_up(server, sweep.tokenizer)
+            for (i, multiple, rate), n in zip(plan[mode], sizes_of[mode]):
+                items = sweep.items(n, args.seed + i)
+                point = measure_rate(server, items, multiple, rate, args.seed + i, slo_ttft, slo_tpot)
+                points[mode].append(point)
+                point_items[mode].append(items)
+                s = point.summary
+                print(f"  {mode:>10} {multiple:>4g}x = {rate:5.2f} req/s, {n} requests ({point.num_cut} cut): "
+                      f"{point.streamed_output_tokens_per_s:6.1f} tok/s, TTFT p90 {s['ttft_s']['p90']:.2f} s, TPOT "
+                      f"p90 {s['tpot_s']['p90'] * 1e3:.0f} ms, {s['good_share']:.0%} within SLOs", flush=True)
+    static_check(sweep, args, best["static"], points, point_items, slo_ttft, slo_tpot)
+    a = args
+    workload = (f"`mixed`: prompts {a.prompt_range[0]}-{a.prompt_range[1]} tokens (uniform), outputs "
+                f"{a.output_range[0]}-{a.output_range[1]} (log-normal, median {a.output_median:g}), seed {a.seed}")
+    data = SweepData(sweep.model_name, provenance(), workload, single, slo_ttft, slo_tpot, slo_source,
+                     args.attainment, capacities, best, points)
+    return data, point_items, facts
+
+
+def static_check(sweep: Sweep, args: argparse.Namespace, static: Capacity, points: dict[str, list[RatePoint]],
+                 point_items: dict[str, list[list[WorkItem]]], slo_ttft: float, slo_tpot: float) -> None:
+    """Where static batching met the SLOs at none of its rates, one more point decides the knee target: static at
+    a third of continuous batching's knee. Missing the SLOs there puts static's knee below it."""
+    knee = goodput_knee(points["continuous"], args.attainment)
+    if knee is None or goodput_knee(points["static"], args.attainment) is not None:
+        return
+    rate = knee / 3
+    if min(p.rate for p in points["static"]) <= rate:
+        return
+    index = len(points["static"])
+    n = points_requests(rate, args.requests_per_point, args.point_seconds, args.min_requests)
+    items = sweep.items(n, args.seed + index)
+    print(f"  static at a third of continuous batching's knee ({rate:.2f} req/s), {n} requests", flush=True)
+    with sweep.server(*sweep.mode_flags("static", static.max_num_seqs)) as server:
+        warm_up(server, sweep.tokenizer)
+        point = measure_rate(server, items, rate / static.requests_per_s, rate, args.seed + index, slo_ttft, slo_tpot)
+    print(f"    {point.summary['good_share']:.0%} within SLOs", flush=True)
+    points["static"].append(point)
+    point_items["static"].append(items)
+
+
+def predict(sweep: Sweep, data: SweepData, point_items: dict[str, list[list[WorkItem]]], facts: ServerFacts,
+            defaults: EngineConfig) -> None:
+    from tokenmill.bench.sweep_sim import calibrated, saturated_rate, simulate_points, simulation
+    from tokenmill.sim.calibrate import describe_profile
+
+    args = sweep.args
+    calibration = calibrated(args.model, sweep.trace_path, args.sim_repeats)
+    data.calibration_note = (
+        f"The simulator (`tokenmill sim`) was calibrated in this run on {calibration.num_grid} timed plans and "
+        f"the continuous server's {calibration.num_trace} steps ({describe_profile(calibration.profile)}; median "
+        f"error on held-out steps {calibration.trace_error:.0%}) and replays the same requests and arrivals.")
+    blocks = facts.kv_capacity_tokens // defaults.block_size
+    for mode in MODES:
+        size = data.best[mode].max_num_seqs
+        sim = simulation(calibration, mode, size, facts.max_model_len, blocks)
+        items = capacity_items(sweep.tokenizer, lambda _t, n, seed: sweep.items(n, seed), mode, size, args.seed)
+        data.simulated_capacity[mode] = saturated_rate(sim, items)
+        data.simulated_points[mode] = simulate_points(sim, point_items[mode], data.points[mode], args.seed,
+                                                      data.slo_ttft, data.slo_tpot)
+        print(f"  simulated {mode:>10}: {data.simulated_capacity[mode]:6.1f} tok/s at saturation", flush=True)
+
+
+def scenario_parts(sweep: Sweep, data: SweepData, phases: Phases, max_model_len: int) -> None:
+    args = sweep.args
+    if "interference" not in args.skip:
+        plan = scenarios.plan_interference(data.single, max_model_len, args.long_prefill_seconds)
+        phases.begin("interference", 3 * (plan.arrival_s + 3 * plan.estimated_prefill_s + 8))
+        data.interference_plan = plan
+        data.interference = scenarios.interference(sweep.server, sweep.tokenizer, plan, args.seed)
+        for name, run in data.interference.items():
+            print(f"  {name:>22}: worst gap {run.worst_gap:.3f} s, long TTFT {run.long_ttft:.2f} s"
+                  + (f" (invalid: {run.problem})" if run.problem else ""), flush=True)
+    if "prefix" not in args.skip:
+        phases.begin("prefix caching")
+        data.prefix = scenarios.prefix_caching(sweep.server, sweep.tokenizer, args.prefix_requests,
+                                               args.prefix_rate, args.prefix_len, args.seed)
+        data.prefix_note = (f"{args.prefix_requests} requests sharing a {args.prefix_len}-token preamble, "
+                            f"12-32 own tokens each, 16 out, Poisson {args.prefix_rate:g} req/s")
+        for name, prefix_run in data.prefix.items():
+            print(f"  prefix caching {name}: TTFT mean {prefix_run.summary['ttft_s']['mean'] * 1e3:.0f} ms, hit "
+                  f"rate {prefix_run.hit_rate:.0%}", flush=True)
+    if "kv" not in args.skip:
+        phases.begin("KV memory")
+        data.kv = scenarios.kv_memory(args.model, sweep.tokenizer, sweep.items(args.kv_requests, args.seed),
+                                      {mode: data.best[mode].max_num_seqs for mode in MODES})
+
+
+def write(args: argparse.Namespace, data: SweepData, out_dir: Path) -> None:
+    slug = "" if args.model is None else Path(args.model).stem.lower().replace(".", "-") + "-"
+    plots = write_plots(data, out_dir / "plots", slug)
+    title = data.model
+    body = report_body(data, plots, title, TIME_TARGET_MIN if args.model is None else None)
+    write_section("serving" if args.model is None else f"serving-{slug.rstrip('-')}", body,
+                  out_dir / "BENCHMARKS.md")
+    raw = {"model": data.model, "provenance": data.provenance, "single": dataclasses.asdict(data.single),
+           "slo": {"ttft_s": data.slo_ttft, "tpot_s": data.slo_tpot},
+           "capacities": [dataclasses.asdict(c) for c in data.capacities],
+           "points": {m: [_point_json(p) for p in ps] for m, ps in data.points.items()},
+           "simulated_capacity": data.simulated_capacity,
+           "simulated_points": {m: [_point_json(p) for p in ps] for m, ps in data.simulated_points.items()},
+           "interference": {n: {k: v for k, v in dataclasses.asdict(r).items() if k != "timeline"}
+                            for n, r in data.interference.items()},
+           "prefix": {n: {"summary": r.summary, "hit_rate": r.hit_rate} for n, r in data.prefix.items()},
+           "kv": data.kv, "elapsed_s": data.elapsed_s}
+    (out_dir / f"sweep-{slug or 'bundled-'}results.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
+
+
+def _point_json(p: RatePoint) -> dict[str, object]:
+    return {"multiple": p.multiple, "rate": p.rate, "requests": p.num_requests, "cut": p.num_cut,
+            "streamed_output_tokens_per_s": p.streamed_output_tokens_per_s, "summary": p.summary}

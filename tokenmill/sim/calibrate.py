@@ -10,6 +10,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -98,6 +99,7 @@ def trace(runner: ModelRunner, num_kv_blocks: int, config: EngineConfig, items: 
 @dataclass
 class Calibration:
     profile: specs.HardwareProfile
+    model: specs.ModelSpec  # the shapes the profile was fitted on
     grid_error: float  # median |predicted - measured| / measured model time, held-out grid plans
     trace_error: float  # the same for whole engine steps, held-out steps of the traced workload or server
     fit_error: float  # the same over everything fitted
@@ -143,12 +145,14 @@ def time_grid(runner: ModelRunner, shapes: list[StepShape], block_size: int, rep
 
 
 def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace_requests: int = 60,
-              trace_rate: float = 2.0, step_trace: list[tuple[StepShape, float]] | None = None) -> Calibration:
+              trace_rate: float = 2.0, step_trace: list[tuple[StepShape, float]] | None = None,
+              model_path: str | None = None) -> Calibration:
     """Fit the profile to the model's time on a grid of synthetic plans (the extremes) and to whole engine steps
     as a server takes them: a server's `step_trace` when given (`tokenmill serve --step-trace`), else the steps
-    of `mixed` at `trace_rate` through the engine core in this process. A quarter of each is held out."""
-    loaded = load_model(None)
-    model = specs.model("smollm2-135m")
+    of `mixed` at `trace_rate` through the engine core in this process. A quarter of each is held out.
+    `model_path`: the model to time (default the bundled one)."""
+    loaded = load_model(model_path)
+    model = specs.spec_of(loaded.config, Path(loaded.path).name if model_path else "smollm2-135m")
     grid = plan_shapes()
     config = EngineConfig(quantization=quantization)
     serving_blocks = num_kv_blocks_for(config, loaded.config)  # the pool a server gets
@@ -194,7 +198,7 @@ def calibrate(quantization: str = "auto", repeats: int = 5, seed: int = 0, trace
     predicted = [step_seconds(shape, model, profile) for shape in shapes]
     errors = np.abs(np.array(predicted) - measured) / measured
     return Calibration(
-        profile, float(np.median(errors[sorted(held_grid)])), float(np.median(errors[sorted(held_steps)])),
+        profile, model, float(np.median(errors[sorted(held_grid)])), float(np.median(errors[sorted(held_steps)])),
         float(np.median(errors[fit])),
         [(describe(grid[i]), grid_seconds[i], predicted[i]) for i in sorted(held_grid)], len(grid), len(step_trace),
         source)
