@@ -207,11 +207,7 @@ def write_plots(data: SweepData, plots: Path, prefix: str) -> dict[str, str]:
             xs, ys = zip(*run.timeline) if run.timeline else ((), ())
             ax.scatter(xs, ys, s=6, label=name)
         ax.axvline(0, color="gray", linestyle="--", linewidth=1)
-        ax.set_xlabel("time since the long prompt arrived (s)")
-        ax.set_ylabel("inter-token gap of short streams (s)")
-        ax.set_yscale("log")
-        ax.legend()
-        ax.grid(alpha=0.3)
+        _axes(ax, "time since the long prompt arrived (s)", "inter-token gap of short streams (s)", log_y=True)
         names["interference"] = _save(fig, plots / f"{prefix}interference.png")
 
     if data.prefix:
@@ -221,12 +217,18 @@ def write_plots(data: SweepData, plots: Path, prefix: str) -> dict[str, str]:
             ax.step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post",
                     label=f"prefix caching {name}")
         ax.set_xscale("log")
-        ax.set_xlabel("TTFT (s)")
-        ax.set_ylabel("share of requests")
-        ax.legend()
-        ax.grid(alpha=0.3)
+        _axes(ax, "TTFT (s)", "share of requests")
         names["prefix"] = _save(fig, plots / f"{prefix}prefix_ttft_cdf.png")
     return names
+
+
+def _axes(ax: Any, xlabel: str, ylabel: str, log_y: bool = False) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if log_y:
+        ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
 
 
 def _save(fig: Any, path: Path) -> str:
