@@ -115,7 +115,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--long-prefill-seconds", type=float, default=2.0,
       help="the interference run's long prompt is sized to take at least this long to prefill alone")
     a("--prefix-requests", type=int, default=20, help="requests of the shared-prefix run")
-    a("--prefix-rate", type=float, default=1.0, help="their Poisson rate (req/s)")
+    a("--prefix-rate", type=float, default=None,
+      help="their Poisson rate in req/s (default: half the rate the server prefills them at without caching, "
+           "from the measured prefill speed: queueing must not make the uncached side slower than its prefill)")
     a("--prefix-len", type=int, default=1024, help="tokens of the preamble they share")
     a("--kv-requests", type=int, default=24, help="requests of the offline KV memory run")
     a("--no-sim", dest="sim", action="store_false", help="skip the simulator's prediction")
@@ -160,7 +162,7 @@ def main(args: argparse.Namespace) -> int:
     phases = Phases({"single stream": 20, "capacity": 60.0 * runs, "rates": 3 * 40.0 * len(args.rate_multiples),
                      "simulator": 60 if args.sim else 0,
                      "interference": 0 if "interference" in args.skip else 60,
-                     "prefix caching": 0 if "prefix" in args.skip else 10 + 2 * args.prefix_requests / args.prefix_rate,
+                     "prefix caching": 0 if "prefix" in args.skip else 10 + 2 * args.prefix_requests,
                      "KV memory": 0 if "kv" in args.skip else 30})
     with tempfile.TemporaryDirectory() as tmp:
         sweep = Sweep(args, tokenizer, model_name, str(Path(tmp) / "steps.jsonl"))
@@ -292,11 +294,12 @@ def scenario_parts(sweep: Sweep, data: SweepData, phases: Phases, max_model_len:
             print(f"  {name:>22}: worst gap {run.worst_gap:.3f} s, long TTFT {run.long_ttft:.2f} s"
                   + (f" (invalid: {run.problem})" if run.problem else ""), flush=True)
     if "prefix" not in args.skip:
-        phases.begin("prefix caching")
-        data.prefix = scenarios.prefix_caching(sweep.server, sweep.tokenizer, args.prefix_requests,
-                                               args.prefix_rate, args.prefix_len, args.seed)
+        rate = args.prefix_rate or 0.5 * data.single.prefill_tokens_per_s / (args.prefix_len + 22)
+        phases.begin("prefix caching", 10 + 2 * args.prefix_requests / rate)
+        data.prefix = scenarios.prefix_caching(sweep.server, sweep.tokenizer, args.prefix_requests, rate,
+                                               args.prefix_len, args.seed)
         data.prefix_note = (f"{args.prefix_requests} requests sharing a {args.prefix_len}-token preamble, "
-                            f"12-32 own tokens each, 16 out, Poisson {args.prefix_rate:g} req/s")
+                            f"12-32 own tokens each, 16 out, Poisson {rate:.2f} req/s")
         for name, prefix_run in data.prefix.items():
             print(f"  prefix caching {name}: TTFT mean {prefix_run.summary['ttft_s']['mean'] * 1e3:.0f} ms, hit "
                   f"rate {prefix_run.hit_rate:.0%}", flush=True)
