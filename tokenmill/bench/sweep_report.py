@@ -125,7 +125,7 @@ def rates_table(data: SweepData) -> str:
         for i, p in enumerate(data.points[mode]):  # in the sweep's order: the simulated list lines up
             s = p.summary
             sim = simulated[i].summary if i < len(simulated) else None
-            rows.append([mode, f"{p.multiple:g}x", round(p.rate, 2), f"{p.num_requests} ({p.num_cut} cut)",
+            rows.append([mode, f"{p.multiple:.2g}x", round(p.rate, 2), f"{p.num_requests} ({p.num_cut} cut)",
                          round(p.streamed_output_tokens_per_s, 1), f"{s['good_share']:.0%}",
                          f"{sim['good_share']:.0%}" if sim else "-",
                          round(s["ttft_s"]["p50"], 3), round(s["ttft_s"]["p90"], 3),
@@ -161,7 +161,7 @@ def sim_disagreements(data: SweepData) -> list[str]:
             for key, name in (("ttft_s", "TTFT p90"), ("tpot_s", "TPOT p90")):
                 off = _pct_off(p.summary[key]["p90"], q.summary[key]["p90"])
                 if off is not None and abs(off) > SIM_TOLERANCE:
-                    out.append(f"{mode} {p.multiple:g}x {name} {off:+.0%}")
+                    out.append(f"{mode} {p.multiple:.2g}x {name} {off:+.0%}")
     return out
 
 
