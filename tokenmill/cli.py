@@ -275,7 +275,9 @@ def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
         ("serve", "load-test an OpenAI-compatible server", serve_cli.add_args, serve_cli.main),
         ("agent-sessions", "multi-turn agents resending a growing history: TTFT and cache hits by turn",
          agent_sessions.add_args, agent_sessions.main),
-        ("sweep", "run the serving experiments, write docs/BENCHMARKS.md", sweep.add_args, sweep.main),
+        ("sweep", "the serving experiments: continuous vs static vs dynamic batching up to saturation, chunked "
+         "prefill, prefix caching; a section of BENCHMARKS.md with plots (docs/ of a clone or --output)",
+         sweep.add_args, sweep.main),
         ("soak", "drive a server with thousands of mixed requests, check it holds", soak.add_args, soak.main),
     ])
 
