@@ -15,7 +15,6 @@ docs/BENCHMARKS.md. Each server runs alone; run it on an idle machine.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import subprocess
 import sys
@@ -24,25 +23,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenmill.bench import workloads  # noqa: E402
-from tokenmill.bench.loadgen import run_load  # noqa: E402
 from tokenmill.bench.machine import memory_bandwidth_gbs  # noqa: E402
 from tokenmill.bench.report import machine_description, markdown_table, write_section  # noqa: E402
 from tokenmill.bench.server_process import live_server  # noqa: E402
-from tokenmill.bench.stats import (
-    RequestResult,  # noqa: E402
-    summarize,  # noqa: E402
-)
+from tokenmill.bench.stats import summarize  # noqa: E402
+from tokenmill.bench.sweep_load import load, server_facts  # noqa: E402
 from tokenmill.bench.sweep_scenarios import stream_gaps, worst_gap_during_long_prefill  # noqa: E402
 from tokenmill.model.loader import bundled_model_path  # noqa: E402
 from tokenmill.model.tokenizer import Tokenizer  # noqa: E402
 
 SLO_TTFT, SLO_TPOT = 2.0, 0.1
 
-
-
-def _load(url: str, items: list[workloads.WorkItem], rate: float, seed: int) -> tuple[list[RequestResult], float]:
-    return asyncio.run(run_load(url, "SmolLM2-135M-Instruct", items, rate, seed=seed, progress=False,
-                                token_prompts=True))
 
 def server_flags(config: str) -> list[str]:
     """"fixed N" or "target T" -> the serve flags."""
@@ -71,10 +62,11 @@ def interference(tokenizer: Tokenizer, configs: list[str], seed: int, runs: int)
     measured: dict[str, list[tuple[float, float, int, float, float]]] = {c: [] for c in configs}
     for run in range(runs):  # interleaved: each run visits every config
         for config in configs:
-            with live_server(*server_flags(config), "--no-prefix-caching") as server:
-                _load(server.url, lone, float("inf"), seed + 100)  # warm-up (another prompt: no cache either way)
-                results, _ = _load(server.url, items, float("inf"), seed)
-                alone, _ = _load(server.url, lone, float("inf"), seed)
+            with live_server(*server_flags(config), "--no-prefix-caching") as srv:
+                server = server_facts(srv.url)
+                load(server, lone, seed=seed + 100)  # warm-up (another prompt: no cache either way)
+                results, _ = load(server, items, seed=seed)
+                alone, _ = load(server, lone, seed=seed)
             worst, median, streamed = during_long_prefill(results)
             measured[config].append((worst, median, streamed, results[-1].ttft or 0.0, alone[-1].ttft or 0.0))
             print(run, config, measured[config][-1], flush=True)
@@ -103,10 +95,11 @@ def goodput(tokenizer: Tokenizer, configs: list[str], rates: list[float], num_re
     rows = []
     for config in configs:
         row: list[Any] = [config]
-        with live_server(*server_flags(config)) as server:
-            _load(server.url, warmup, float("inf"), seed)  # every server's first requests pay its cold start
+        with live_server(*server_flags(config)) as srv:
+            server = server_facts(srv.url)
+            load(server, warmup, seed=seed)  # every server's first requests pay its cold start
             for rate, rate_items in zip(rates, items):
-                results, duration = _load(server.url, rate_items, rate, seed)
+                results, duration = load(server, rate_items, rate, seed)
                 summary = summarize(results, duration, SLO_TTFT, SLO_TPOT)
                 row += [round(summary["goodput"], 2), f"{summary['good_share']:.0%}"]
         rows.append(row)

@@ -14,7 +14,7 @@ from tokenmill.bench import workloads
 from tokenmill.bench.loadgen import run_closed_loop, run_load
 from tokenmill.bench.stats import RequestResult, summarize
 from tokenmill.bench.sweep import default_output_dir
-from tokenmill.bench.sweep_load import Capacity, RatePoint, SingleStream, deadline_for, goodput_knee, points_requests
+from tokenmill.bench.sweep_load import Capacity, RatePoint, SingleStream, deadline_for, knee_rate, points_requests
 from tokenmill.bench.sweep_report import SweepData, gap_verdict, knee_verdict, ratio_verdict
 from tokenmill.bench.sweep_scenarios import InterferenceRun, overlap_problem, plan_interference
 from tokenmill.bench.sweep_sim import cut_at, saturated_rate
@@ -47,8 +47,8 @@ def _data(points: dict[str, list[RatePoint]]) -> SweepData:
 
 def test_goodput_knee_stops_at_the_first_rate_missing_the_slos() -> None:
     points = [_point(1.0, 1.0), _point(2.0, 0.95), _point(3.0, 0.5), _point(4.0, 0.92)]
-    assert goodput_knee(points) == 2.0  # 4.0 is past the knee: a lucky point beyond it does not count
-    assert goodput_knee([_point(1.0, 0.5)]) is None
+    assert knee_rate(points) == 2.0  # 4.0 is past the knee: a lucky point beyond it does not count
+    assert knee_rate([_point(1.0, 0.5)]) is None
 
 
 def test_knee_verdict_is_a_lower_bound_when_static_never_meets_the_slos() -> None:

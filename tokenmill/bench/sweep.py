@@ -30,8 +30,8 @@ from tokenmill.bench.sweep_load import (
     Capacity,
     RatePoint,
     ServerFacts,
-    capacity_items,
-    goodput_knee,
+    capacity_requests,
+    knee_rate,
     measure_capacity,
     measure_rate,
     points_requests,
@@ -42,7 +42,7 @@ from tokenmill.bench.sweep_load import (
 from tokenmill.bench.sweep_report import MODES, SweepData, report_body, write_plots
 from tokenmill.bench.workloads import WorkItem
 from tokenmill.config import EngineConfig
-from tokenmill.model.loader import load_model
+from tokenmill.model.loader import resolve_model_path
 from tokenmill.model.tokenizer import Tokenizer
 
 TIME_TARGET_MIN = 20.0  # the bundled model's whole sweep
@@ -153,10 +153,8 @@ class Sweep:
 def main(args: argparse.Namespace) -> int:
     start = time.monotonic()
     out_dir = Path(args.output) if args.output else default_output_dir()
-    loaded = load_model(args.model)
-    tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader)
-    model_name = Path(loaded.path).name if args.model else "SmolLM2-135M-Instruct (bundled)"
-    del loaded
+    tokenizer = Tokenizer.from_path(resolve_model_path(args.model))
+    model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (bundled)"
     defaults = EngineConfig()
     runs = 1 + 2 * len(args.batch_sizes)
     phases = Phases({"single stream": 20, "capacity": 60.0 * runs, "rates": 3 * 40.0 * len(args.rate_multiples),
@@ -200,7 +198,7 @@ def measure(sweep: Sweep, phases: Phases, defaults: EngineConfig,
     sizes = {"continuous": [defaults.max_num_seqs], "static": args.batch_sizes, "dynamic": args.batch_sizes}
     for mode in MODES:
         for size in sizes[mode]:
-            items = capacity_items(sweep.tokenizer, lambda _t, n, seed: sweep.items(n, seed), mode, size, args.seed)
+            items = sweep.items(capacity_requests(mode, size), args.seed)
             with sweep.server(*sweep.mode_flags(mode, size)) as server:
                 warm_up(server, sweep.tokenizer)
                 capacities.append(measure_capacity(server, mode, size, items))
@@ -243,8 +241,8 @@ def static_check(sweep: Sweep, args: argparse.Namespace, static: Capacity, point
                  point_items: dict[str, list[list[WorkItem]]], slo_ttft: float, slo_tpot: float) -> None:
     """Where static batching met the SLOs at none of its rates, one more point decides the knee target: static at
     a third of continuous batching's knee. Missing the SLOs there puts static's knee below it."""
-    knee = goodput_knee(points["continuous"], args.attainment)
-    if knee is None or goodput_knee(points["static"], args.attainment) is not None:
+    knee = knee_rate(points["continuous"], args.attainment)
+    if knee is None or knee_rate(points["static"], args.attainment) is not None:
         return
     rate = knee / 3
     if min(p.rate for p in points["static"]) <= rate:
@@ -276,7 +274,7 @@ def predict(sweep: Sweep, data: SweepData, point_items: dict[str, list[list[Work
     for mode in MODES:
         size = data.best[mode].max_num_seqs
         sim = simulation(calibration, mode, size, facts.max_model_len, blocks)
-        items = capacity_items(sweep.tokenizer, lambda _t, n, seed: sweep.items(n, seed), mode, size, args.seed)
+        items = sweep.items(capacity_requests(mode, size), args.seed)
         data.simulated_capacity[mode] = saturated_rate(sim, items)
         data.simulated_points[mode] = simulate_points(sim, point_items[mode], data.points[mode], args.seed,
                                                       data.slo_ttft, data.slo_tpot)

@@ -18,6 +18,7 @@ from tokenmill.bench.stats import RequestResult, summarize
 from tokenmill.bench.workloads import WorkItem
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.server.metrics import metric_value
+from tokenmill.sim.questions import goodput_knee
 
 
 @dataclass
@@ -102,13 +103,13 @@ async def _closed_loop_with_metrics(server: ServerFacts, items: list[WorkItem], 
 
 
 def measure_capacity(server: ServerFacts, mode: str, max_num_seqs: int, items: list[WorkItem]) -> Capacity:
-    """Twice max_num_seqs clients in a closed loop over `items` (capacity_items): a full batch runs while another
-    waits, so a static batch always starts full. The rate counts the tokens streamed from the max_num_seqs-th
-    answer's end (for static and dynamic batching: the second batch's start) to the last send (the start of a
-    later batch): whole batch cycles, prefill included."""
+    """Twice max_num_seqs clients in a closed loop over `items` (capacity_requests of them): a full batch runs
+    while another waits, so a static batch always starts full. The rate counts the tokens streamed from the
+    max_num_seqs-th answer's end (for static and dynamic batching: the second batch's start) to the last send (the
+    start of a later batch): whole batch cycles, prefill included."""
     clients = 2 * max_num_seqs
     if len(items) < clients + 2 * max_num_seqs:
-        raise ValueError("a closed loop needs capacity_items(): a batch cycle past the clients' first requests")
+        raise ValueError("a closed loop needs capacity_requests(): a batch cycle past the clients' first requests")
     loop, samples = asyncio.run(_closed_loop_with_metrics(server, items, clients))
     since = loop.sends[clients + max_num_seqs - 1]
     rate = loop.output_rate(since)
@@ -119,12 +120,12 @@ def measure_capacity(server: ServerFacts, mode: str, max_num_seqs: int, items: l
                     statistics.fmean(u for _, u in window) if window else math.nan)
 
 
-def capacity_items(tokenizer: Tokenizer, make: Any, mode: str, max_num_seqs: int, seed: int) -> list[WorkItem]:
-    """For measure_capacity: the clients' first requests, the first batch's replacements, then the window: for
-    static and dynamic batching whole batch cycles, at least two and at least 64 answers (one batch's rate swings
-    with its longest answer); for continuous batching (no cycles) 64 answers."""
+def capacity_requests(mode: str, max_num_seqs: int) -> int:
+    """How many requests measure_capacity needs: the clients' first requests, the first batch's replacements,
+    then the window: for static and dynamic batching whole batch cycles, at least two and at least 64 answers (one
+    batch's rate swings with its longest answer); for continuous batching (no cycles) 64 answers."""
     window = 64 if mode == "continuous" else max(2, math.ceil(64 / max_num_seqs)) * max_num_seqs
-    return list(make(tokenizer, 3 * max_num_seqs + window, seed))
+    return 3 * max_num_seqs + window
 
 
 @dataclass
@@ -163,11 +164,7 @@ def rate_point(multiple: float, rate: float, results: list[RequestResult], durat
                      streamed / duration if duration > 0 else 0.0)
 
 
-def goodput_knee(points: list[RatePoint], attainment: float = 0.9) -> float | None:
-    """The highest rate with >= `attainment` of requests within the SLOs, below the first rate without."""
-    knee = None
-    for point in sorted(points, key=lambda p: p.rate):
-        if point.summary["good_share"] < attainment:
-            break
-        knee = point.rate
-    return knee
+def knee_rate(points: list[RatePoint], attainment: float = 0.9) -> float | None:
+    """The goodput knee's rate (sim.questions.goodput_knee), None where no rate met the SLOs."""
+    knee = goodput_knee(points, attainment)
+    return knee.rate if knee is not None else None

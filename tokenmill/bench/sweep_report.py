@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.report import markdown_table
-from tokenmill.bench.sweep_load import Capacity, RatePoint, SingleStream, goodput_knee
+from tokenmill.bench.sweep_load import Capacity, RatePoint, SingleStream, knee_rate
 from tokenmill.bench.sweep_scenarios import InterferencePlan, InterferenceRun, PrefixRun
 from tokenmill.config import BatchingMode
 
@@ -56,7 +56,7 @@ def ratio_verdict(numerator: float | None, denominator: float | None, target: fl
 
 
 def knee_verdict(data: SweepData, target: float) -> str:
-    knees = {m: goodput_knee(data.points[m], data.attainment) for m in ("continuous", "static")}
+    knees = {m: knee_rate(data.points[m], data.attainment) for m in ("continuous", "static")}
     lowest_static = min(p.rate for p in data.points["static"])
     if knees["continuous"] is None:
         return "**NOT met** (continuous met the SLOs at none of its rates)" + (
@@ -140,9 +140,9 @@ def rates_table(data: SweepData) -> str:
 def knees_line(data: SweepData) -> str:
     parts = []
     for mode in MODES:
-        knee = goodput_knee(data.points[mode], data.attainment)
+        knee = knee_rate(data.points[mode], data.attainment)
         simulated = data.simulated_points.get(mode)
-        sim_knee = goodput_knee(simulated, data.attainment) if simulated else None
+        sim_knee = knee_rate(simulated, data.attainment) if simulated else None
         text = f"{knee:.2f} req/s" if knee is not None else "none of its rates"
         if simulated:
             text += f" (simulated: {f'{sim_knee:.2f} req/s' if sim_knee is not None else 'none'})"

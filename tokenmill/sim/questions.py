@@ -7,7 +7,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from tokenmill.bench.loadgen import arrival_times
 from tokenmill.bench.workloads import WorkItem
@@ -70,7 +70,20 @@ def sweep(simulation: Simulation, workload: Workload, parameter: str, values: Se
     return points
 
 
-def goodput_knee(points: Sequence[SweepPoint], attainment: float = 0.9) -> SweepPoint | None:
+class RatedPoint(Protocol):
+    """A point of a rate sweep: the simulator's (SweepPoint) or a measured one (bench/sweep_load.RatePoint)."""
+
+    @property
+    def rate(self) -> float: ...
+
+    @property
+    def summary(self) -> dict[str, Any]: ...
+
+
+Point = TypeVar("Point", bound=RatedPoint)
+
+
+def goodput_knee(points: Sequence[Point], attainment: float = 0.9) -> Point | None:
     """The highest request rate whose requests meet the SLOs at least `attainment` of the time, below the first
     rate that does not (past the knee, queues grow and goodput falls away from the offered rate)."""
     knee = None
