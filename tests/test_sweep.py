@@ -132,7 +132,8 @@ def test_closed_loop_keeps_the_load_and_cuts_the_tail(base_url: str, tokenizer) 
     items = workloads.random_lengths(tokenizer, 5, 16, 24, seed=4)
     loop = asyncio.run(run_closed_loop(base_url, MODEL, items, concurrency=2))
     assert len(loop.results) == 5 and loop.sends == sorted(loop.sends) and loop.end == loop.sends[-1]
-    assert sum(r.ok for r in loop.results) == 3  # the two open when the items ran out are cut
+    # the last one sent is cut at once; the other open one is cut too unless its answer was already in
+    assert 3 <= sum(r.ok for r in loop.results) <= 4 and not loop.results[-1].ok
     assert all(r.output_tokens == 24 for r in loop.results if r.ok)
     assert loop.output_rate(loop.start) > 0
     _wait_idle(base_url)

@@ -140,6 +140,7 @@ async def run_closed_loop(base_url: str, model: str, items: Sequence[WorkItem], 
     connections = httpx.Limits(max_connections=max(100, concurrency))
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=connections) as client:
         start = time.perf_counter()
+        ran_out = asyncio.Event()
 
         async def client_loop() -> None:
             while queue:
@@ -147,11 +148,14 @@ async def run_closed_loop(base_url: str, model: str, items: Sequence[WorkItem], 
                 result = RequestResult(ok=False, prompt_tokens=len(item.prompt_token_ids))
                 results.append(result)
                 sends.append(time.perf_counter())
+                if not queue:
+                    ran_out.set()  # cut now: a poll would let the other open requests finish meanwhile
                 await send_one(client, model, item, token_prompts, {}, result)
 
         tasks = [asyncio.ensure_future(client_loop()) for _ in range(concurrency)]
-        while queue and not all(task.done() for task in tasks):
-            await asyncio.sleep(0.02)
+        waiter = asyncio.ensure_future(ran_out.wait())
+        await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
         end = max(sends, default=time.perf_counter())
         for task in tasks:
             task.cancel()
