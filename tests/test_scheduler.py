@@ -52,6 +52,25 @@ def test_partial_prefill_cap_limits_concurrent_chunked_prompts() -> None:
         assert len(partial) <= 1
 
 
+def test_without_chunked_prefill_prompts_run_whole_in_arrival_order() -> None:
+    with pytest.raises(ValueError, match="at least max_model_len"):
+        make_core(max_model_len=64, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    core, executor = make_core(num_blocks=256, max_model_len=64, max_num_batched_tokens=64,
+                               enable_chunked_prefill=False, enable_prefix_caching=False)
+    lengths = [40, 30, 20, 64, 5]
+    for i, n in enumerate(lengths):
+        core.add_request(make_request(f"r{i}", prompt_len=n, max_tokens=1, pool=True))
+    outputs = run_to_completion(core)
+    assert set(outputs) == {f"r{i}" for i in range(len(lengths))}
+    steps = [[(s.request_id, s.start_position, s.num_tokens) for s in p.scheduled] for p in executor.plans
+             if p.scheduled]
+    # each prompt in one step, whole; one that does not fit what is left of the budget waits for the next step,
+    # and the ones behind it wait too (no chunk of it, no overtaking); an input of max_model_len fits (it samples
+    # nothing)
+    assert steps == [[("r0", 0, 40)], [("r1", 0, 30), ("r2", 0, 20)], [("r3", 0, 64)], [("r4", 0, 5)]]
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
 def test_prefix_cache_hits_share_blocks_and_report_cached_tokens() -> None:
     clock = FakeClock()
     core, _ = make_core(num_blocks=64, clock=clock, block_size=4, max_num_batched_tokens=64)

@@ -57,6 +57,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "step-time predictor from (otherwise it learns from the first steps)")
     g.add_argument("--max-num-partial-prefills", type=int, default=defaults.max_num_partial_prefills)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=defaults.enable_chunked_prefill,
+                   help="split long prompts over steps under the token budget (--no-enable-chunked-prefill: a "
+                        "prompt waits until all of it fits in one step)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--kv-offload-memory", dest="kv_offload_memory_gb", type=float,
                    default=defaults.kv_offload_memory_gb, metavar="GB",
@@ -140,6 +144,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         target_itl_ms=args.target_itl_ms, step_cost_profile=args.step_cost_profile,
         max_num_partial_prefills=args.max_num_partial_prefills, max_model_len=args.max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory_gb=args.kv_offload_memory_gb,
         kv_cache_dir=args.kv_cache_dir, kv_cache_dir_size_gb=args.kv_cache_dir_size_gb, policy=args.policy,
         priority_aging_per_s=args.priority_aging_per_s, batching=args.batching, seed=args.seed,

@@ -124,6 +124,9 @@ class EngineConfig:
     # a `tokenmill sim calibrate` profile (JSON) of this machine: the step-time predictor starts from it
     step_cost_profile: str | None = None
     max_num_partial_prefills: int = 2
+    # off: a prompt is admitted only when all of it fits in a step's budget (encoders attend both ways, so their
+    # inputs run whole); max_num_batched_tokens must then hold the longest prompt
+    enable_chunked_prefill: bool = True
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # KV tiers under the pool (kv_offload/): full prefix blocks evicted from the pool stay in host memory (this

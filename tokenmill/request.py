@@ -88,6 +88,8 @@ class Request:
         # longrope: once the sequence has grown past the original context, every token rotates for at least this
         # length (its KV is recomputed with the long factors, as transformers' Phi-3 does); 0 before
         self.rope_length = 0
+        # an encoder's segment ids (BERT's token types: 1 for a cross-encoder pair's second text); None: all 0
+        self.token_type_ids: list[int] | None = None
         # Speculative decoding: tokens proposed for the next step (never part of all_token_ids until accepted),
         # and its recent verifications (decaying counts of accepted tokens and of rejections), from which the
         # proposer sizes its proposals (spec_decode/proposer.py).

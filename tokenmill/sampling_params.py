@@ -37,9 +37,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's field; a dict is converted).
     structured_outputs: StructuredOutputsParams | None = None
-    # An embedding instead of tokens (task "embed" on a decoder): the request ends after its prompt with the
-    # final hidden state of its last token (last-token pooling, as Qwen3-Embedding's), nothing sampled.
+    # An embedding instead of tokens (task "embed"): the request ends after its prompt with its pooled final
+    # hidden states (a decoder's last token, as Qwen3-Embedding's; an encoder's pooling), nothing sampled.
     pool: bool = False
+    # with pool on a cross-encoder: "classify" gives its classification head's logits instead of the embedding
+    pooling_task: str = "embed"
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -88,6 +90,8 @@ class SamplingParams:
             fail(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.pool and (self.n != 1 or self.prompt_logprobs is not None or self.structured_outputs is not None):
             fail("an embedding request (pool) takes no n, prompt_logprobs or structured_outputs")
+        if self.pooling_task not in ("embed", "classify"):
+            fail(f"pooling_task is embed or classify, got {self.pooling_task!r}")
         for token_id, bias in (self.logit_bias or {}).items():
             if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
                 fail(f"logit_bias keys must be token ids (non-negative integers), got {token_id!r}")

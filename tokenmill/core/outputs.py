@@ -30,6 +30,7 @@ class ScheduledRequest:
     score_prompt: bool = False  # prompt logprobs wanted: score the prompt tokens this chunk predicts
     lora_request: LoRARequest | None = None  # the adapter its rows run under (None: the base model)
     rope_length: int = 0  # longrope: the least length its tokens rotate for (Request.rope_length)
+    token_type_ids: list[int] | None = None  # an encoder's segment ids for token_ids (Request.token_type_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -43,17 +43,19 @@ logger = logging.getLogger(__name__)
 def check_request_fits(request: Request, max_model_len: int, kv_capacity_tokens: int, static_batching: bool) -> None:
     """Reject what can never run (ValueError); set the request's length limit."""
     prompt_len = request.num_prompt_tokens
-    if prompt_len >= max_model_len:
+    room = 0 if request.sampling_params.pool else 1  # an embedding samples nothing: its input may fill the context
+    if prompt_len + room > max_model_len:
         raise ValueError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_len} tokens and leaves no room for a completion"
+            f"{prompt_len} tokens" + ("" if request.sampling_params.pool else " and leaves no room for a completion")
         )
     # A sequence can never outgrow the whole KV pool: that caps its length like the context limit does.
     max_tokens = request.sampling_params.max_tokens
     limit = min(max_model_len, kv_capacity_tokens)
     if max_tokens is not None:
         limit = min(limit, prompt_len + max_tokens)
-    if prompt_len >= kv_capacity_tokens or (static_batching and prompt_len + (max_tokens or 0) > kv_capacity_tokens):
+    static_need = prompt_len + (max_tokens or 0) if static_batching else 0
+    if prompt_len + room > kv_capacity_tokens or static_need > kv_capacity_tokens:
         raise ValueError(f"request needs more KV cache than the whole pool holds ({kv_capacity_tokens} tokens)")
     request.max_total_tokens = limit
 
@@ -64,6 +66,9 @@ class Scheduler:
                  structured_output: StructuredOutputManager | None = None,
                  reasoning_tags: tuple[Sequence[int], Sequence[int]] | None = None,
                  adapters: AdapterSource | None = None, long_rope_threshold: int | None = None) -> None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                             f"must hold the longest prompt: at least max_model_len ({max_model_len})")
         self.config = config
         self.grammars = GrammarWaits(structured_output, reasoning_tags)
         self.loras = LoRAWaits(adapters, config.max_loras)
@@ -324,7 +329,7 @@ class Scheduler:
                 continue
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget:
-                if partial >= self.config.max_num_partial_prefills:
+                if partial >= self.config.max_num_partial_prefills or not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
                 partial += 1
@@ -376,6 +381,8 @@ class Scheduler:
                 break
             hit = self.kv.find_cached_prefix(request)
             reserve = request.max_total_tokens if static else 0
+            if request.num_tokens - hit.num_tokens > budget and not self.config.enable_chunked_prefill:
+                break
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             if self.kv.allocate_slots(request, num_new, hit, reserve_tokens=reserve) is None:
                 break
@@ -458,6 +465,8 @@ class Scheduler:
                 score_prompt=request.needs_prompt_logprobs,
                 lora_request=request.lora_request,
                 rope_length=request.rope_length,
+                token_type_ids=None if request.token_type_ids is None
+                else request.token_type_ids[start:start + num_new],
             ))
             if start >= request.num_prompt_tokens:
                 decode_tokens += num_new

@@ -1,13 +1,16 @@
-"""The embedding engine of an encoder: requests of one or more inputs, batched across requests under a token
-budget, each input run whole (an encoder attends both ways: no chunks, no KV cache), pooled and normalised.
+"""The embedding engine of an encoder: requests of one or more inputs, each input a prompt-only request
+(SamplingParams.pool) that the engine's Scheduler admits whole under the token budget and the sequence cap
+(chunked prefill off: an encoder attends both ways, so an input runs in one step), batched across requests and
+run by the EncoderRunner behind the Executor interface, pooled and normalised.
 
-`submit` queues a request and returns a future; one worker thread forms batches in arrival order (up to
-`max_num_batched_tokens` tokens and `max_num_seqs` inputs; an input longer than the budget runs alone) and runs
-them. Offline callers (`LLM(task="embed")`) call `embed` / `score`, which go through the same queue.
+`submit` queues a request and returns a future; one worker thread steps the engine core (schedule -> execute ->
+update) while any input is open, taking new requests in between steps. Offline callers (`LLM(task="embed")`)
+call `embed` / `score`, which go through the same queue.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -21,15 +24,20 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.encoder.config import EncoderConfig, Pooling, read_encoder_config
 from tokenmill.encoder.inputs import EncoderInput, checked_input
 from tokenmill.encoder.model import EncoderModel
 from tokenmill.encoder.pooling_options import matryoshka_dimensions, pooler_options
+from tokenmill.encoder.runner import EncoderRunner
 from tokenmill.encoder.tokenizer import EncoderTokenizer
 from tokenmill.encoder.weights import load_encoder_weights
+from tokenmill.engine.core import EngineCore, ModelStepError
 from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.metadata import resolve_model_path
 from tokenmill.platform import cpu_flags
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +49,7 @@ class EmbedJob:
     inputs: list[EncoderInput]
     classify: bool = False  # a cross-encoder's scores instead of embeddings
     future: Future[torch.Tensor] = field(default_factory=Future)
+    rows: list[list[float] | None] = field(default_factory=list)  # each input's vector, as the engine ends it
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +61,7 @@ class EmbeddingStats:
     requests: int = 0
     inputs: int = 0
     tokens: int = 0
-    batches: int = 0
+    batches: int = 0  # engine steps that ran inputs
     seconds: float = 0.0
 
 
@@ -77,15 +86,26 @@ class EmbeddingEngine:
                                  model_config.max_position_embeddings)
         self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
         self.max_num_seqs = config.max_num_seqs
+        # inputs run whole, from no cache, through the engine's own scheduler (nothing of KV tiers, disaggregation
+        # or speculation applies to an encoder)
+        core_config = replace(config, enable_chunked_prefill=False, enable_prefix_caching=False,
+                              batching="continuous", max_num_batched_tokens=self.max_num_batched_tokens,
+                              kv_offload_memory_gb=0.0, kv_cache_dir=None, kv_role=None, speculative_config=None,
+                              target_itl_ms=None)
+        runner = EncoderRunner(self.model, self.pooling, config.max_num_seqs, self.max_model_len,
+                               config.block_size)
+        self.core = EngineCore(core_config, runner, self.max_model_len)
         self.stats = EmbeddingStats()
         self._jobs: queue.SimpleQueue[EmbedJob | None] = queue.SimpleQueue()
+        self._open: dict[str, tuple[EmbedJob, int]] = {}  # engine request id -> (its job, its input's index)
+        self._ids = itertools.count()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
         logger.info("encoder %s (%s, %d layers, hidden %d): pooling %s%s, %s linears, max %d tokens an input, "
-                    "batches of up to %d tokens; loaded in %.1f s", path, model_config.architecture,
+                    "steps of up to %d tokens and %d inputs; loaded in %.1f s", path, model_config.architecture,
                     model_config.num_layers, model_config.hidden_size, self.pooling,
                     ", normalized" if self.normalize else "", self.quantization, self.max_model_len,
-                    self.max_num_batched_tokens, time.perf_counter() - started)
+                    self.max_num_batched_tokens, self.max_num_seqs, time.perf_counter() - started)
 
     # ------------------------------------------------------------------ inputs
 
@@ -133,89 +153,92 @@ class EmbeddingEngine:
                             for t in texts]).result()
 
     def _run(self) -> None:
-        pending: list[EmbedJob] = []
+        """Take what was submitted (waiting for it while idle), then one engine step; until shut down."""
+        core = self.core
         while True:
-            if not pending:
-                job = self._jobs.get()
-                if job is None:
-                    return
-                pending.append(job)
-            while True:  # everything queued meanwhile joins the batch
+            wait = not core.has_unfinished_requests()
+            while True:
                 try:
-                    job = self._jobs.get_nowait()
+                    job = self._jobs.get(block=wait)
                 except queue.Empty:
                     break
                 if job is None:
-                    self._fail(pending, RuntimeError("the embedding engine stopped"))
+                    self._fail_open(RuntimeError("the embedding engine stopped"))
                     return
-                pending.append(job)
-            batch, pending = self._take_batch(pending)
-            self._execute(batch)
+                self._add(job)
+                wait = False
+            if not core.has_unfinished_requests():
+                continue
+            started = time.perf_counter()
+            try:
+                outputs = core.step()
+            except ModelStepError as exc:  # the step's requests fail; the engine and the other requests go on
+                logger.error("embedding step failed", exc_info=exc.__cause__)
+                failed = set(core.fail_step(exc.plan))
+                for job in {id(job): job for rid, (job, _) in self._open.items() if rid in failed}.values():
+                    self._fail(job, exc.__cause__ or exc)
+                continue
+            record = core.last_step
+            if record is not None and record.plan is not None and record.plan.scheduled:
+                self.stats.batches += 1
+                self.stats.seconds += time.perf_counter() - started
+            for output in outputs:
+                self._collect(output)
 
-    def _take_batch(self, pending: list[EmbedJob]) -> tuple[list[EmbedJob], list[EmbedJob]]:
-        """Whole requests in arrival order while the token budget and the input cap hold (at least one)."""
-        batch: list[EmbedJob] = []
-        tokens = inputs = 0
-        for i, job in enumerate(pending):
-            if batch and (tokens + job.num_tokens > self.max_num_batched_tokens
-                          or inputs + len(job.inputs) > self.max_num_seqs):
-                return batch, pending[i:]
-            batch.append(job)
-            tokens += job.num_tokens
-            inputs += len(job.inputs)
-        return batch, []
-
-    def _execute(self, batch: list[EmbedJob]) -> None:
-        started = time.perf_counter()
+    def _add(self, job: EmbedJob) -> None:
+        """Each input of `job` as an engine request; a job the scheduler refuses fails whole."""
+        job_id = next(self._ids)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pool=True,
+                                pooling_task="classify" if job.classify else "embed")
+        job.rows = [None] * len(job.inputs)
         try:
-            results = self.run_batch(batch)
-        except Exception as exc:  # a failed batch fails its requests; the engine goes on
-            logger.exception("embedding batch failed")
-            self._fail(batch, exc)
+            for i, item in enumerate(job.inputs):
+                request = Request(f"embd-{job_id}-{i}", item.token_ids, params)
+                request.token_type_ids = item.token_type_ids
+                self.core.add_request(request)
+                self._open[request.request_id] = (job, i)
+        except ValueError as exc:
+            self._fail(job, exc)
+
+    def _collect(self, output: EngineCoreOutput) -> None:
+        entry = self._open.pop(output.request_id, None)
+        if entry is None:
             return
-        for job, result in zip(batch, results, strict=True):
-            job.future.set_result(result)
+        job, index = entry
+        if output.pooled is None:
+            self._fail(job, RuntimeError(output.error or f"an input ended without a result ({output.finish_reason})"))
+            return
+        job.rows[index] = output.pooled
+        if any(row is None for row in job.rows):
+            return
+        vectors = torch.tensor(job.rows, dtype=torch.float32)
+        if self.normalize and not job.classify:
+            vectors = F.normalize(vectors, dim=-1)
+        job.future.set_result(vectors)
         stats = self.stats
-        stats.requests += len(batch)
-        stats.inputs += sum(len(job.inputs) for job in batch)
-        stats.tokens += sum(job.num_tokens for job in batch)
-        stats.batches += 1
-        stats.seconds += time.perf_counter() - started
+        stats.requests += 1
+        stats.inputs += len(job.inputs)
+        stats.tokens += job.num_tokens
 
-    @staticmethod
-    def _fail(jobs: list[EmbedJob], exc: BaseException) -> None:
-        for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(exc)
+    def _fail(self, job: EmbedJob, exc: BaseException) -> None:
+        """End `job` with `exc`; the engine drops its inputs still open."""
+        ids = [rid for rid, (open_job, _) in self._open.items() if open_job is job]
+        for rid in ids:
+            del self._open[rid]
+        self.core.abort_requests(ids)
+        if not job.future.done():
+            job.future.set_exception(exc)
 
-    @torch.inference_mode()
-    def run_batch(self, batch: list[EmbedJob]) -> list[torch.Tensor]:
-        """One forward over every input of `batch`, then each request's rows. Inputs over the token budget run
-        in slices of whole inputs (the budget bounds a step's activations)."""
-        inputs = [i for job in batch for i in job.inputs]
-        pooled = []
-        start = 0
-        while start < len(inputs):
-            end, tokens = start, 0
-            while end < len(inputs) and (end == start or tokens + len(inputs[end].token_ids)
-                                         <= self.max_num_batched_tokens) and end - start < self.max_num_seqs:
-                tokens += len(inputs[end].token_ids)
-                end += 1
-            part = inputs[start:end]
-            hidden = self.model(part)
-            lengths = [len(i.token_ids) for i in part]
-            pooled.append(self.model.pool(hidden, lengths, self.pooling))
-            start = end
-        vectors = torch.cat(pooled)
-        results, row = [], 0
-        for job in batch:
-            rows = vectors[row:row + len(job.inputs)]
-            row += len(job.inputs)
-            if job.classify:
-                results.append(self.model.classify(rows))
-            else:
-                results.append(F.normalize(rows, dim=-1) if self.normalize else rows)
-        return results
+    def _fail_open(self, exc: BaseException) -> None:
+        for job in {id(job): job for job, _ in self._open.values()}.values():
+            self._fail(job, exc)
+        while True:  # and what was queued behind the stop
+            try:
+                queued = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if queued is not None and not queued.future.done():
+                queued.future.set_exception(exc)
 
 
 def resolve_encoder_quantization(mode: str) -> str:

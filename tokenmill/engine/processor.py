@@ -111,12 +111,16 @@ class InputProcessor:
                         self.eos_token_ids, arrival, priority, text, lora_request)
                 for i in range(params.n)
             ]
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if token_type_ids is not None and (not params.pool or len(token_type_ids) != len(token_ids)):
+            raise ValueError("token_type_ids go with an embedding request's prompt_token_ids, one per token")
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError("cache_salt must be a non-empty string")
         for child in children:
             # KV computed under an adapter, or rotated for a length, or salted, is shared only with the same
             child.user_cache_salt = salt
+            child.token_type_ids = None if token_type_ids is None else [int(t) for t in token_type_ids]
             child.set_cache_salt(0 if self.cache_salt_of is None else self.cache_salt_of(len(token_ids)))
             check_request_fits(child, self.max_model_len, self.kv_capacity_tokens, self.config.batching == "static")
         return text, token_ids, children
