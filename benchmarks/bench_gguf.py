@@ -27,8 +27,9 @@ from tokenmill.bench.report import machine_description, markdown_table, write_se
 from tokenmill.config import EngineConfig  # noqa: E402
 from tokenmill.executor.model_runner import ModelRunner  # noqa: E402
 from tokenmill.model.gguf_linear import GGUFLinear  # noqa: E402
+from tokenmill.model.int8_linear import Int8Linear  # noqa: E402
+from tokenmill.model.linear import QuantLinear  # noqa: E402
 from tokenmill.model.loader import bundled_model_path, load_model  # noqa: E402
-from tokenmill.model.quant import Int8Linear, QuantLinear  # noqa: E402
 from tokenmill.platform import isa_level  # noqa: E402
 
 MODES = ("int8", "gguf")

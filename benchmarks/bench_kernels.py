@@ -19,7 +19,8 @@ from tokenmill.bench.report import machine_description, markdown_table, write_se
 from tokenmill.bench.stats import median_seconds
 from tokenmill.model.attention import AttentionMetadata, _decode_attention_torch, allocate_layer_kv
 from tokenmill.model.kv_quant import kv_format
-from tokenmill.model.quant import QuantLinear, make_linear
+from tokenmill.model.linear import QuantLinear
+from tokenmill.model.quant import make_linear
 from tokenmill.platform import cpu_flags
 
 LAYERS = 30

@@ -24,8 +24,8 @@ from tokenmill.bench.stats import median_seconds
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
 from tokenmill.executor.model_runner import ModelRunner
+from tokenmill.model.linear import QuantLinear
 from tokenmill.model.loader import load_model
-from tokenmill.model.quant import QuantLinear
 from tokenmill.sampling_params import SamplingParams
 
 MODES = ["none", "int8", "bf16"]

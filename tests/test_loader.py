@@ -258,7 +258,7 @@ def test_native_block_decoding_is_bit_identical_to_the_gguf_package() -> None:
     from gguf.quants import dequantize
 
     from tokenmill import kernels
-    from tokenmill.model.quant import quantize_rows
+    from tokenmill.model.int8_linear import quantize_rows
 
     for kind, data, rows, cols in _blocks_of_every_type():
         assert kernels.gguf_decodable(int(kind), cols), kind
@@ -277,9 +277,9 @@ def test_native_block_decoding_is_bit_identical_to_the_gguf_package() -> None:
 def test_int8_layers_from_blocks_equal_int8_from_float32(model_path: str) -> None:
     """An int8 model loaded from the file's blocks (no float32 copy) is the one built from the float32
     dequantization: same weights, same logits, bit for bit."""
+    from tokenmill.model.int8_linear import Int8Linear
     from tokenmill.model.llama import LlamaForCausalLM
     from tokenmill.model.loader import LazyWeights
-    from tokenmill.model.quant import Int8Linear
 
     loaded = load_model(model_path)
     assert isinstance(loaded.weights, LazyWeights) and loaded.weights.int8_rows("model.embed_tokens.weight") is not None

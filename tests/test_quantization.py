@@ -19,14 +19,8 @@ from tokenmill import kernels
 from tokenmill.config import EngineConfig
 from tokenmill.executor.model_runner import ModelRunner
 from tokenmill.model.gguf_linear import GGUFLinear
-from tokenmill.model.quant import (
-    Int8Linear,
-    dequantize_two_level,
-    make_linear,
-    quantize_rows,
-    quantize_two_level,
-    resolve_quantization,
-)
+from tokenmill.model.int8_linear import Int8Linear, dequantize_two_level, quantize_rows, quantize_two_level
+from tokenmill.model.quant import make_linear, resolve_quantization
 from tokenmill.platform import cpu_flags
 from tokenmill.sampling_params import SamplingParams
 

@@ -17,7 +17,8 @@ from torch import nn
 
 from tokenmill.encoder.config import EncoderConfig, Pooling
 from tokenmill.encoder.inputs import EncoderInput
-from tokenmill.model.quant import BF16Linear, QuantLinear, make_linear
+from tokenmill.model.linear import BF16Linear, QuantLinear
+from tokenmill.model.quant import make_linear
 
 
 class _LayerNorm(nn.Module):

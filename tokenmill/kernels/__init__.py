@@ -304,7 +304,7 @@ def gguf_dequantize(data: np.ndarray, tensor_type: int, rows: int, cols: int) ->
 
 
 def gguf_to_int8_rows(data: np.ndarray, tensor_type: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [rows, cols], scale [rows]) of a GGUF tensor's bytes, as quant.quantize_rows of its float32
+    """(int8 [rows, cols], scale [rows]) of a GGUF tensor's bytes, as int8_linear.quantize_rows of its float32
     dequantization, without making that float32 copy."""
     q = torch.empty(rows, cols, dtype=torch.int8)
     scale = torch.empty(rows, dtype=torch.float32)

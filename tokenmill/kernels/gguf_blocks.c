@@ -4,7 +4,7 @@
  * same order (a product, then a sum, each rounded to float32), so `gguf_dequantize` is bit-identical to it and
  * `--quantization none` stays token-exact with transformers (which dequantizes GGUF files with that package).
  * `gguf_quantize_int8` decodes a row into a small buffer and quantizes it at once (symmetric int8, one scale per
- * row, as model/quant.py's quantize_rows rounds), so no float32 copy of a tensor is ever made.
+ * row, as model/int8_linear.py's quantize_rows rounds), so no float32 copy of a tensor is ever made.
  *
  * Block layouts (GGML's, little-endian; fp16 scales):
  *   Q4_0  32 values, 18 B: d, 16 B nibbles (low nibbles: values 0-15, high: 16-31), w = d * (q - 8)

@@ -1,8 +1,8 @@
-// Per-row int8 activation quantization for the int8 linear layers (model/quant.py), two levels deep:
+// Per-row int8 activation quantization for the int8 linear layers (model/int8_linear.py), two levels deep:
 //   x ~= q1 * s1 + q2 * s2, with q1 = round(x / s1), s1 = max|x| / 127, and q2 the residual quantized the same
 // way. Both levels go through one int8 GEMM (stacked as 2 x rows) and are recombined in `dequantize_two_level`,
 // so activations keep ~14 bits where one int8 level loses too much on this model (docs/ARCHITECTURE.md).
-// Each row is handled on its own, with the same float operations as the torch fallback in model/quant.py.
+// Each row is handled on its own, with the same float operations as the torch fallback in model/int8_linear.py.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,7 +50,7 @@ void dequantize_two_level(const int32_t *acc, int64_t rows, int64_t n, const flo
     }
 }
 
-// The int8 GEMM on AVX512-VNNI hosts. Weights are packed at load (model/quant.py: pack_vnni) as
+// The int8 GEMM on AVX512-VNNI hosts. Weights are packed at load (model/int8_linear.py, kernels.pack_vnni) as
 // [n/16][k/4][16][4]: one 64-byte vector holds four consecutive k of 16 outputs, so `vpdpbusd` with four
 // broadcast activations accumulates 16 outputs per lane and no horizontal sum is needed. The instruction
 // multiplies unsigned by signed bytes and can broadcast its signed operand straight from memory: weights are
@@ -90,7 +90,7 @@ void quantize_groups(const float *x, int64_t rows, int64_t k, int64_t x_stride, 
             const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
             const float s = row_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))));
             const __m512 sv = _mm512_set1_ps(s);
-            // x / s rounded to nearest even (the default MXCSR mode): torch.round(x / s) in model/quant.py
+            // x / s rounded to nearest even (the default MXCSR mode): torch.round(x / s) in model/int8_linear.py
             const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, sv)), qb = _mm512_cvtps_epi32(_mm512_div_ps(b, sv));
             _mm_storeu_si128((__m128i *)(q + r * k + g * GROUP), _mm512_cvtsepi32_epi8(qa));
             _mm_storeu_si128((__m128i *)(q + r * k + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
@@ -220,7 +220,7 @@ void quantize_groups(const float *x, int64_t rows, int64_t k, int64_t x_stride, 
             __m256i sum = _mm256_setzero_si256();
             int8_t *qg = q + r * k + g * GROUP;
             for (int j = 0; j < 4; ++j) {
-                // x / s rounded to nearest even (the default MXCSR mode): torch.round(x / s) in model/quant.py
+                // x / s rounded to nearest even (the default MXCSR mode): torch.round(x / s) in model/int8_linear.py
                 const __m256i level = _mm256_cvtps_epi32(_mm256_div_ps(v[j], sv));
                 sum = _mm256_add_epi32(sum, level);
                 int32_t lanes[8];

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from tokenmill import kernels
-from tokenmill.model.quant import Int8Linear, QuantLinear
+from tokenmill.model.int8_linear import Int8Linear
+from tokenmill.model.linear import QuantLinear
 
 
 @dataclass

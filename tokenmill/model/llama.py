@@ -22,9 +22,11 @@ from tokenmill.lora.slots import LayerLoRA, LoRAContext, LoRASlots
 from tokenmill.model import kv_quant
 from tokenmill.model.attention import AttentionMetadata, gpu_kernels_apply, paged_attention
 from tokenmill.model.gguf_linear import GGUFLinear
+from tokenmill.model.int8_linear import Int8Linear
 from tokenmill.model.key_smoothing import channel_sizes, key_channel_scales
+from tokenmill.model.linear import QuantLinear
 from tokenmill.model.loader import LazyWeights
-from tokenmill.model.quant import Int8Linear, QuantLinear, make_linear
+from tokenmill.model.quant import make_linear
 from tokenmill.model.rope import RopeTables, RotaryEmbedding
 
 

@@ -36,7 +36,7 @@ __all__ = ["LazyWeights", "LoadedModel", "bundled_model_path", "dequantize_tenso
 _DEQUANT_ROWS = 4096
 
 
-Int8Rows = tuple[torch.Tensor, torch.Tensor]  # int8 [rows, cols] and float32 scale [rows] (quant.quantize_rows)
+Int8Rows = tuple[torch.Tensor, torch.Tensor]  # int8 [rows, cols] and float32 scale [rows] (int8_linear.quantize_rows)
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):
