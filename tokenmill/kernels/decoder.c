@@ -3,7 +3,7 @@
 // ~10 Python-level calls, ctypes conversions and tensor allocations per layer. At batch 1 those cost ~2 ms of a
 // ~10 ms step on a 30-layer model. Each projection is int8 (the grouped kernel) or a GGUF file's own blocks.
 //
-// It includes the kernel sources, so it is built as one library with them (kernels/__init__.py hashes every
+// It includes the kernel sources, so it is built as one library with them (kernels/build.py hashes every
 // source in this directory into the build key).
 #include "layer_ops.c"
 #include "int8_rows.c"

@@ -1,5 +1,5 @@
 """The native paged attention (kernels/paged_attention.c) over a layer's KV cache in any format of
-model/kv_quant.py, and the cache's raw pointers the kernels take. Re-exported by tokenmill.kernels."""
+model/kv_quant.py, and the cache's raw pointers the kernels take."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import functools
 
 import torch
 
-from tokenmill.kernels import _F32, _I64, _PTR, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, _function, load_library
+from tokenmill.kernels.build import F32, I64, PTR, load_function, load_library
 from tokenmill.model.kv_quant import LayerKV
+
+# Limits compiled into paged_attention.c (stack arrays).
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 64
 
 
 @functools.cache
 def _attention_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return _function("paged_attention", "paged_attention", [_PTR] * 9 + [_I64] * 8 + [_F32, _I64, _I64])
+    return load_function("paged_attention", "paged_attention", [PTR] * 9 + [I64] * 8 + [F32, I64, I64])
 
 
 def cache_pointers(cache: LayerKV) -> tuple[int, int, int | None, int | None, int]:

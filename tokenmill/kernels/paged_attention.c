@@ -15,7 +15,7 @@
 // chunk of any size, or as a decode next to other sequences; with exact int8 GEMMs that makes whole steps
 // batch-invariant.
 //
-// Built at first use by tokenmill/kernels/__init__.py; OpenMP resolves to the libgomp that torch already
+// Built at first use by tokenmill/kernels/build.py; OpenMP resolves to the libgomp that torch already
 // loaded (same soname), so both share one thread pool.
 #include <math.h>
 #ifdef _OPENMP

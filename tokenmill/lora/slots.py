@@ -7,6 +7,7 @@ running requests at `max_loras`, so a step's adapters always fit."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,11 +61,11 @@ class ProjectionLoRA:
         self.at = [torch.zeros(num_slots, self.in_features, padded, device=device, dtype=dtype) for _ in parts]
         self.bt = [torch.zeros(num_slots, padded, shapes[p].width, device=device, dtype=dtype) for p in parts]
         self.ranks = np.zeros((len(parts), num_slots), np.int32)  # 0: the slot's adapter skips the part
-        self._at_ptrs = (kernels.ctypes.c_void_p * len(parts))(*(t.data_ptr() for t in self.at))
-        self._bt_ptrs = (kernels.ctypes.c_void_p * len(parts))(*(t.data_ptr() for t in self.bt))
+        self._at_ptrs = (ctypes.c_void_p * len(parts))(*(t.data_ptr() for t in self.at))
+        self._bt_ptrs = (ctypes.c_void_p * len(parts))(*(t.data_ptr() for t in self.bt))
         self.pointers = kernels.LoRAWeightsPointers(
             len(parts), self.in_features, padded, self.offset.ctypes.data, self.width.ctypes.data,
-            kernels.ctypes.addressof(self._at_ptrs), kernels.ctypes.addressof(self._bt_ptrs),
+            ctypes.addressof(self._at_ptrs), ctypes.addressof(self._bt_ptrs),
             self.ranks.ctypes.data, num_slots, int(dtype == torch.bfloat16))
 
     def fill(self, slot: int, layer: int, adapter: LoRAAdapter | None) -> None:

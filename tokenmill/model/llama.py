@@ -8,6 +8,7 @@ into one matmul each (fewer, larger GEMMs are faster on every backend).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from typing import cast
 
@@ -211,7 +212,7 @@ class NativeDecoderStack:
                 pointers = getattr(slot, name)
                 lora = layer.self_attn.lora if name in ("qkv", "o") else layer.mlp.lora
                 if lora is not None:
-                    pointers.lora = kernels.ctypes.addressof(lora.projections[name].pointers)
+                    pointers.lora = ctypes.addressof(lora.projections[name].pointers)
                 int8 = _native_int8(linear)
                 if int8 is not None:
                     assert int8.packed is not None
