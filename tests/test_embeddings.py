@@ -409,6 +409,38 @@ def test_serve_refuses_what_an_encoder_server_cannot_do(tiny: dict[str, Any]) ->
     import sys
 
     path = str(tiny["bert"][0])
-    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", path, "--data-parallel-size", "2"],
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", path, "--enable-lora"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "--data-parallel-size" in done.stderr and "encoder" in done.stderr
+    assert done.returncode != 0 and "--enable-lora" in done.stderr and "encoder" in done.stderr
+
+
+def test_encoders_serve_through_engine_core_processes(tiny: dict[str, Any]) -> None:
+    """`tokenmill serve ENCODER`: inputs go to engine-core processes (two replicas here) whose schedulers run
+    them; the vectors equal the offline engine's, a cross-encoder's pairs keep their token types, and the
+    engine's own metrics count the work."""
+    from tests.server_utils import live_server
+
+    bert, cross = str(tiny["bert"][0]), str(tiny["cross"][0])
+    offline = EmbeddingEngine(EngineConfig(model=bert, quantization="none"))
+    expected = offline.embed(TEXTS)
+    with_specials = offline.make_input("the cat").token_ids
+    offline.shutdown()
+    query, documents = "the cat", ["the cat sat on the mat", "a blue tree", "dogs run fast"]
+    reference = LLM(cross, task="embed", quantization="none")
+    scores = [o.outputs.score for o in reference.score(query, documents)]
+    reference.close()
+    with live_server("--model", bert, "--quantization", "none", "--data-parallel-size", "2") as server:
+        reply = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS}, timeout=60).json()
+        assert [d["index"] for d in reply["data"]] == list(range(len(TEXTS)))
+        for ours, reference in zip(reply["data"], expected, strict=True):
+            assert np.allclose(ours["embedding"], reference.numpy(), atol=1e-5)
+        metrics = httpx.get(server.url + "/metrics").text
+        prompt_tokens = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                            if line.startswith("tokenmill:prompt_tokens_total"))
+        assert prompt_tokens == reply["usage"]["prompt_tokens"]
+        tokenized = httpx.post(server.url + "/tokenize", json={"prompt": "the cat"}).json()
+        assert tokenized["tokens"] == with_specials  # [CLS] the cat [SEP], as the model reads it
+    with live_server("--model", cross, "--quantization", "none") as server:
+        reranked = httpx.post(server.url + "/rerank", json={"query": query, "documents": documents}).json()
+        by_index = {r["index"]: r["relevance_score"] for r in reranked["results"]}
+        assert np.allclose([by_index[i] for i in range(3)], scores, atol=1e-5)

@@ -253,11 +253,16 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     task, encoder = resolve_task(resolve_model_path(config.model), config.task)
     config = replace(config, task=task)
-    if encoder:
-        from tokenmill.server.embedding_app import run_embedding_server
-
-        return run_embedding_server(config, host=args.host, port=args.port, options=options,
-                                    log_level=args.log_level)
+    if encoder:  # its inputs run whole, from no cache: nothing of these applies to it
+        unsupported = [flag for flag, used in (
+            ("--disaggregated", bool(options.disaggregated)),
+            ("--distributed-executor-backend ray", options.distributed_executor_backend == "ray"),
+            ("--enable-lora / --lora-modules", config.enable_lora or bool(options.lora_modules)),
+            ("--speculative-config", config.speculative_config is not None),
+            ("--kv-offload-memory / --kv-cache-dir", bool(config.kv_offload_memory_gb or config.kv_cache_dir)))
+            if used]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} do not apply to an encoder served for embeddings")
     return run_server(config, host=args.host, port=args.port, options=options, log_level=args.log_level)
 
 

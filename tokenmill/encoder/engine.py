@@ -4,44 +4,35 @@
 run by the EncoderRunner behind the Executor interface, pooled and normalised.
 
 `submit` queues a request and returns a future; one worker thread steps the engine core (schedule -> execute ->
-update) while any input is open, taking new requests in between steps. Offline callers (`LLM(task="embed")`)
-call `embed` / `score`, which go through the same queue.
+update) while any input is open, taking new requests in between steps. This is the offline engine
+(`LLM(task="embed")`'s `embed` / `score`); a server runs the same core in engine-core processes (encoder/loader.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import EngineCoreOutput
-from tokenmill.encoder.config import EncoderConfig, Pooling, read_encoder_config
-from tokenmill.encoder.inputs import EncoderInput, checked_input
-from tokenmill.encoder.model import EncoderModel
-from tokenmill.encoder.pooling_options import matryoshka_dimensions, pooler_options
-from tokenmill.encoder.runner import EncoderRunner
-from tokenmill.encoder.tokenizer import EncoderTokenizer
-from tokenmill.encoder.weights import load_encoder_weights
-from tokenmill.engine.core import EngineCore, ModelStepError
-from tokenmill.model.gguf_file import GGUFFile
-from tokenmill.model.metadata import resolve_model_path
-from tokenmill.platform import cpu_flags
+from tokenmill.encoder.config import EncoderConfig, Pooling
+from tokenmill.encoder.front import TextOrTokens
+from tokenmill.encoder.inputs import EncoderInput
+from tokenmill.encoder.loader import encoder_core, load_encoder
+from tokenmill.engine.core import ModelStepError
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-TextOrTokens = str | Sequence[int]
 
 
 @dataclass
@@ -67,59 +58,31 @@ class EmbeddingStats:
 
 class EmbeddingEngine:
     def __init__(self, config: EngineConfig) -> None:
-        started = time.perf_counter()
-        path = resolve_model_path(config.model)
-        self.path = path
-        options = pooler_options(config.pooler_config)
-        reader = None if os.path.isdir(path) else GGUFFile(path)  # one header read for config, vocabulary, tensors
-        model_config = read_encoder_config(path, reader)
-        model_config = replace(model_config, matryoshka_dimensions=matryoshka_dimensions(
-            config.hf_overrides, model_config.hidden_size, model_config.matryoshka_dimensions))
-        self.config: EncoderConfig = model_config
-        self.pooling: Pooling = options.get("pooling_type", model_config.pooling)
-        self.normalize: bool = options.get("normalize", model_config.normalize)
-        self.quantization = resolve_encoder_quantization(config.quantization)
-        self.tokenizer = EncoderTokenizer.from_path(path, reader)
-        self.model = EncoderModel(model_config, self.quantization)
-        self.model.load_weights(load_encoder_weights(path, reader))
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
-        self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
+        loaded = load_encoder(config)
+        front = loaded.front
+        self.front = front
+        self.path = front.path
+        self.config: EncoderConfig = front.config
+        self.pooling: Pooling = front.pooling
+        self.normalize = front.normalize
+        self.quantization = loaded.quantization
+        self.tokenizer = front.tokenizer
+        self.model = loaded.model
+        self.max_model_len = front.max_model_len
+        self.core = encoder_core(config, loaded)
+        self.max_num_batched_tokens = self.core.config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
-        # inputs run whole, from no cache, through the engine's own scheduler (nothing of KV tiers, disaggregation
-        # or speculation applies to an encoder)
-        core_config = replace(config, enable_chunked_prefill=False, enable_prefix_caching=False,
-                              batching="continuous", max_num_batched_tokens=self.max_num_batched_tokens,
-                              kv_offload_memory_gb=0.0, kv_cache_dir=None, kv_role=None, speculative_config=None,
-                              target_itl_ms=None)
-        runner = EncoderRunner(self.model, self.pooling, config.max_num_seqs, self.max_model_len,
-                               config.block_size)
-        self.core = EngineCore(core_config, runner, self.max_model_len)
         self.stats = EmbeddingStats()
         self._jobs: queue.SimpleQueue[EmbedJob | None] = queue.SimpleQueue()
         self._open: dict[str, tuple[EmbedJob, int]] = {}  # engine request id -> (its job, its input's index)
         self._ids = itertools.count()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
-        logger.info("encoder %s (%s, %d layers, hidden %d): pooling %s%s, %s linears, max %d tokens an input, "
-                    "steps of up to %d tokens and %d inputs; loaded in %.1f s", path, model_config.architecture,
-                    model_config.num_layers, model_config.hidden_size, self.pooling,
-                    ", normalized" if self.normalize else "", self.quantization, self.max_model_len,
-                    self.max_num_batched_tokens, self.max_num_seqs, time.perf_counter() - started)
-
-    # ------------------------------------------------------------------ inputs
 
     def make_input(self, text: TextOrTokens, pair: str | None = None,
                    truncate_prompt_tokens: int | None = None) -> EncoderInput:
         """Tokenize one input (token ids are taken as they are); ValueError for an empty or over-long one."""
-        if isinstance(text, str):
-            if not text:
-                raise ValueError("an input is an empty string")
-            ids, types = self.tokenizer.encode(text, pair)
-            return checked_input(ids, types, self.config.vocab_size, self.max_model_len, truncate_prompt_tokens,
-                                 keep_last=True)
-        return checked_input([int(t) for t in text], None, self.config.vocab_size, self.max_model_len,
-                             truncate_prompt_tokens, keep_last=False)
+        return self.front.make_input(text, pair, truncate_prompt_tokens)
 
     # ------------------------------------------------------------------ serving
 
@@ -239,14 +202,3 @@ class EmbeddingEngine:
                 return
             if queued is not None and not queued.future.done():
                 queued.future.set_exception(exc)
-
-
-def resolve_encoder_quantization(mode: str) -> str:
-    """The encoder's linear layers. "auto": bf16 where the CPU computes in bf16 (measured on nomic-embed-text
-    against llama.cpp's f16: cosine >= 0.99996, 2.1x float32's speed on a batch of 64), else float32; int8 rows
-    lose too much for embeddings (cosine 0.996) and are taken only when asked for."""
-    if mode == "auto":
-        return "bf16" if cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"} else "none"
-    if mode not in ("none", "bf16", "int8"):
-        raise ValueError(f"an encoder's quantization is auto, none, bf16 or int8, got {mode!r}")
-    return mode

@@ -14,6 +14,7 @@ import os
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
 from tokenmill.model.gguf_file import GGUFFile
+from tokenmill.model.tokenizer import Tokenizer as TextTokenizer
 
 PHANTOM_SPACE = "\u2581"
 GGUF_CONTROL_TOKEN = 3
@@ -42,6 +43,21 @@ class EncoderTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)
+
+    def as_tokenizer(self) -> TextTokenizer:
+        """The engine's Tokenizer over the same vocabulary (the front end's /tokenize and input checks)."""
+        return _EncoderTextTokenizer(self._tokenizer)
+
+
+class _EncoderTextTokenizer(TextTokenizer):
+    """An encoder's vocabulary as the engine's Tokenizer: special tokens from the tokenizer's own template
+    ([CLS] ... [SEP]); no chat template, no end-of-sequence to stop at."""
+
+    def __init__(self, backend: Tokenizer) -> None:
+        super().__init__(backend, bos_token_id=None, eos_token_id=None, add_bos_token=False, chat_template=None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
 
 def _from_gguf(reader: GGUFFile) -> Tokenizer:

@@ -172,6 +172,7 @@ class AsyncLLM:
         tokenizer and the model's metadata (weights load lazily, so it never reads them)."""
         import concurrent.futures
 
+        from tokenmill.encoder.front import read_encoder_front, serves_encoder
         from tokenmill.model.metadata import read_metadata
         from tokenmill.model.tokenizer import Tokenizer
 
@@ -182,18 +183,25 @@ class AsyncLLM:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             launching = pool.submit(launch_all, replicas)
             try:
-                loaded = read_metadata(config.model)
-                tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader, config.chat_template)
+                encoder = read_encoder_front(config) if serves_encoder(config) else None
+                if encoder is None:
+                    loaded = read_metadata(config.model)
+                    tokenizer = Tokenizer.from_path(loaded.path, loaded.gguf_reader, config.chat_template)
             except BaseException:
                 launching.result()  # then stop what it started: this error (a bad file) is the one to report
                 for replica in replicas:
                     replica.stop(timeout=1.0)
                 raise
             launching.result()
-        max_model_len, eos = model_limits(loaded.config, tokenizer, config)
         capacity = min(r.info.num_kv_blocks * r.info.block_size for r in replicas if r.info is not None)
-        processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity,
-                                   cache_salt_of=loaded.config.rope_cache_key, model_config=loaded.config)
+        if encoder is not None:  # embedding requests only: no end of sequence, no prefix salt, no chat
+            tokenizer = encoder.tokenizer.as_tokenizer()
+            processor = InputProcessor(config, tokenizer, encoder.max_model_len, (), encoder.config.vocab_size,
+                                       capacity, encoder=encoder)
+        else:
+            max_model_len, eos = model_limits(loaded.config, tokenizer, config)
+            processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity,
+                                       cache_salt_of=loaded.config.rope_cache_key, model_config=loaded.config)
         return cls(processor, OutputProcessor(tokenizer), replicas, make_router(router, len(replicas),
                                                                                 config.block_size))
 

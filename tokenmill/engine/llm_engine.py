@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.encoder.front import EncoderFront, serves_encoder
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, PromptType, max_model_len_of, model_limits
@@ -30,7 +31,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, executor: Executor, max_model_len: int,
                  eos_token_ids: tuple[int, ...], vocab_size: int,
                  clock: Callable[[], float] = time.monotonic,
-                 cache_salt_of: Callable[[int], int] | None = None, model_config: ModelConfig | None = None) -> None:
+                 cache_salt_of: Callable[[int], int] | None = None, model_config: ModelConfig | None = None,
+                 encoder: EncoderFront | None = None) -> None:
         self.config = config
         self.structured_output = StructuredOutputManager(lambda: (tokenizer.backend, eos_token_ids), vocab_size)
         self.core = EngineCore(config, executor, max_model_len, clock, self.structured_output,
@@ -38,18 +40,29 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.processor = InputProcessor(config, tokenizer, max_model_len, eos_token_ids, vocab_size,
                                         self.core.kv.num_blocks * self.core.kv.block_size, self.structured_output,
-                                        clock, cache_salt_of, model_config)
+                                        clock, cache_salt_of, model_config, encoder)
         self.clock = clock
         self._ids = itertools.count()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
+        if serves_encoder(config):
+            return cls.for_encoder(config)
         loaded = load_model(config.model)
         # the tokenizer is built (Python, Rust) while the weights load (native code, the GIL released)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(Tokenizer.from_path, loaded.path, loaded.gguf_reader, config.chat_template)
             runner = ModelRunner(config, loaded.config, loaded.weights)
             return cls._over_runner(config, loaded, tokenizer.result(), runner)
+
+    @classmethod
+    def for_encoder(cls, config: EngineConfig) -> LLMEngine:
+        """An encoder's engine: embedding requests only, each input admitted whole (encoder/loader.py)."""
+        from tokenmill.encoder.loader import encoder_core_parts
+
+        front, runner, core_config = encoder_core_parts(config)
+        return cls(core_config, front.tokenizer.as_tokenizer(), runner, front.max_model_len, (),
+                   front.config.vocab_size, encoder=front)
 
     @classmethod
     def from_loaded(cls, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer) -> LLMEngine:
@@ -134,7 +147,11 @@ def engine_core_from_config(config: EngineConfig) -> EngineCore:
     """The engine core alone, for an engine-core process (its front end tokenizes and detokenizes). The core
     reads its tokenizer only when it needs it: now for a reasoning parser's tags, otherwise at its first grammar
     compile. Reading it holds the GIL (0.3 s for a 151k vocabulary), which the weights' load, in the same
-    process, would wait for."""
+    process, would wait for. An encoder's core runs its inputs through an EncoderRunner."""
+    if serves_encoder(config):
+        from tokenmill.encoder.loader import encoder_core
+
+        return encoder_core(config)
     loaded = load_model(config.model)
     runner = ModelRunner(config, loaded.config, loaded.weights)
     model = loaded.config

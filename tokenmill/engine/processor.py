@@ -13,6 +13,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.scheduler import check_request_fits
+from tokenmill.encoder.front import EncoderFront
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.tokenizer import Tokenizer
 from tokenmill.request import Request
@@ -42,9 +43,11 @@ class InputProcessor:
                  eos_token_ids: tuple[int, ...], vocab_size: int, kv_capacity_tokens: int,
                  structured_output: StructuredOutputManager | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 cache_salt_of: Callable[[int], int] | None = None, model_config: ModelConfig | None = None) -> None:
+                 cache_salt_of: Callable[[int], int] | None = None, model_config: ModelConfig | None = None,
+                 encoder: EncoderFront | None = None) -> None:
         self.config = config
         self.model_config = model_config  # the model's shape (the server checks adapters against it)
+        self.encoder = encoder  # an encoder's front (its tokenizer for pairs, its pooling), or None: a decoder
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids

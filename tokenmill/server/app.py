@@ -455,12 +455,13 @@ def build_app(llm: AsyncLLM | LLMEngine, options: ServerOptions | None = None,
         return await serve(builder, [{"prompt_token_ids": prompt_ids}], params, body.priority, body.stream,
                            http_request, lora)
 
-    if llm.config.task == "embed":  # a decoder embedding model (last-token pooling through the scheduler):
-        # the embedding endpoints, and generation's refused
-        from tokenmill.server.embedding_backends import decoder_backend
+    if llm.config.task == "embed":  # an encoder, or a decoder embedding model (last-token pooling), through the
+        # scheduler: the embedding endpoints, and generation's refused
+        from tokenmill.server.embedding_backends import engine_backend
         from tokenmill.server.embeddings_api import EmbeddingServing, add_embedding_routes
 
-        add_embedding_routes(app, EmbeddingServing(decoder_backend(llm), model_name), check_api_key, check_model)
+        backend = engine_backend(llm, on_finished=metrics.on_finished)
+        add_embedding_routes(app, EmbeddingServing(backend, model_name), check_api_key, check_model)
     else:
         refuse_embeddings(app, model_name, [Depends(check_api_key)])
     return app

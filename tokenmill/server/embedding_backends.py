@@ -1,12 +1,14 @@
-"""The models behind the embedding endpoints (server/embeddings_api.py's EmbeddingBackend): an encoder's
-embedding engine in this process, or a decoder served with --task embed through the engine cores, each input a
-pooling request (SamplingParams.pool) that the scheduler runs like any prompt. Torch-free."""
+"""The model behind the embedding endpoints (server/embeddings_api.py's EmbeddingBackend): embedding requests
+through AsyncLLM's engine cores, each input a pooling request (SamplingParams.pool) that the scheduler runs like
+any prompt: an encoder's inputs whole (with their token types; a cross-encoder's "classify" task gives its
+logits), or a decoder's prompt with last-token pooling. Torch-free."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,47 +19,37 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
 
 if TYPE_CHECKING:
-    from tokenmill.encoder.engine import EmbeddingEngine
+    from tokenmill.encoder.front import EncoderFront
     from tokenmill.engine.request_stream import RequestStream
+    from tokenmill.outputs import RequestOutput
 
-POOL = SamplingParams(max_tokens=1, temperature=0.0, pool=True)
-
-
-class EncoderBackend:
-    def __init__(self, engine: EmbeddingEngine) -> None:
-        self.engine = engine
-        self.normalize = engine.normalize
-        self.matryoshka_dimensions = engine.config.matryoshka_dimensions
-        self.cross_encoder = engine.config.is_cross_encoder
-
-    def make_input(self, text: str | list[int], pair: str | None = None,
-                   truncate_prompt_tokens: int | None = None) -> EncoderInput:
-        return self.engine.make_input(text, pair, truncate_prompt_tokens)
-
-    async def run(self, inputs: list[EncoderInput], classify: bool = False) -> np.ndarray:
-        result = await asyncio.wrap_future(self.engine.submit(inputs, classify))
-        return result.numpy()
+EMBED = SamplingParams(max_tokens=1, temperature=0.0, pool=True)
+CLASSIFY = SamplingParams(max_tokens=1, temperature=0.0, pool=True, pooling_task="classify")
 
 
-class DecoderBackend:
-    """Last-token pooling on a decoder: the final hidden state after each input's last token."""
-
-    cross_encoder = False
-
-    def __init__(self, llm: AsyncLLM, normalize: bool, matryoshka_dimensions: tuple[int, ...] | None) -> None:
+class EngineBackend:
+    def __init__(self, llm: AsyncLLM, normalize: bool, matryoshka_dimensions: tuple[int, ...] | None,
+                 encoder: EncoderFront | None = None,
+                 on_finished: Callable[[RequestOutput], None] | None = None) -> None:
         self.llm = llm
+        self.on_finished = on_finished  # each input's final output (the server's metrics count it)
         self.normalize = normalize
         self.matryoshka_dimensions = matryoshka_dimensions
+        self.encoder = encoder
+        self.cross_encoder = encoder is not None and encoder.config.is_cross_encoder
 
     def make_input(self, text: str | list[int], pair: str | None = None,
                    truncate_prompt_tokens: int | None = None) -> EncoderInput:
+        if self.encoder is not None:
+            return self.encoder.make_input(text, pair, truncate_prompt_tokens)
         if pair is not None:
             raise ValueError("a decoder embeds one text at a time (no cross-encoder pairs)")
         return decoder_input(self.llm.tokenizer, self.llm.processor.vocab_size, self.llm.max_model_len, text,
                              truncate_prompt_tokens)
 
     async def run(self, inputs: list[EncoderInput], classify: bool = False) -> np.ndarray:
-        if classify:
+        """[inputs, hidden] embeddings (normalised where the model says), or [inputs, labels] logits."""
+        if classify and not self.cross_encoder:
             raise ValueError("this model has no classification head (not a cross-encoder)")
         batch = uuid.uuid4().hex
         streams: list[RequestStream] = []
@@ -68,12 +60,16 @@ class DecoderBackend:
                 final = output
             if final is None or final.pooled is None:
                 raise RuntimeError("the engine returned no embedding")
+            if self.on_finished is not None:
+                self.on_finished(final)
             return list(final.pooled)
 
         try:
             for i, item in enumerate(inputs):
-                streams.append(self.llm.add_request(f"embd-{batch}-{i}", {"prompt_token_ids": item.token_ids},
-                                                    POOL))
+                prompt: dict[str, Any] = {"prompt_token_ids": item.token_ids}
+                if item.token_type_ids is not None:
+                    prompt["token_type_ids"] = item.token_type_ids
+                streams.append(self.llm.add_request(f"embd-{batch}-{i}", prompt, CLASSIFY if classify else EMBED))
             vectors = np.array(await asyncio.gather(*(last(s) for s in streams)), dtype=np.float32)
         except QueueFullError as exc:
             raise APIError(429, str(exc), "rate_limit_exceeded", headers={"Retry-After": "1"}) from exc
@@ -84,12 +80,16 @@ class DecoderBackend:
         finally:  # a failed or cancelled request leaves none of its inputs behind
             for stream in streams:
                 stream.close()
-        return l2_normalize(vectors) if self.normalize else vectors
+        return l2_normalize(vectors) if self.normalize and not classify else vectors
 
 
-def decoder_backend(llm: AsyncLLM) -> DecoderBackend:
-    """The backend of a decoder served with --task embed, as its --pooler-config and --hf-overrides say."""
+def engine_backend(llm: AsyncLLM, on_finished: Callable[[RequestOutput], None] | None = None) -> EngineBackend:
+    """The backend of a server with --task embed: an encoder's (its file's pooling and normalisation, or
+    --pooler-config's), or a decoder's as its --pooler-config and --hf-overrides say."""
+    encoder = llm.processor.encoder
+    if encoder is not None:
+        return EngineBackend(llm, encoder.normalize, encoder.config.matryoshka_dimensions, encoder, on_finished)
     model_config = llm.processor.model_config
     normalize, allowed = decoder_pooling(llm.config.pooler_config, llm.config.hf_overrides,
                                          model_config.hidden_size if model_config is not None else 0)
-    return DecoderBackend(llm, normalize, allowed)
+    return EngineBackend(llm, normalize, allowed, on_finished=on_finished)
