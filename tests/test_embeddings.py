@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -440,6 +441,31 @@ def test_encoders_serve_through_engine_core_processes(tiny: dict[str, Any]) -> N
         assert prompt_tokens == reply["usage"]["prompt_tokens"]
         tokenized = httpx.post(server.url + "/tokenize", json={"prompt": "the cat"}).json()
         assert tokenized["tokens"] == with_specials  # [CLS] the cat [SEP], as the model reads it
+        # a core SIGKILLed under load: its inputs move to the other replica and the answer is whole and exact
+        import os
+        import signal
+        import threading
+
+        many = [TEXTS[i % len(TEXTS)] + " " + WORDS[i % len(WORDS)] * (1 + i % 7) for i in range(3000)]
+        answer: dict[str, Any] = {}
+        sending = threading.Thread(target=lambda: answer.update(httpx.post(
+            server.url + "/v1/embeddings", json={"input": many}, timeout=300).json()))
+        sending.start()
+        deadline = time.monotonic() + 60
+        while sum(float(line.split()[-1]) for line in httpx.get(server.url + "/metrics").text.splitlines()
+                  if line.startswith("tokenmill:prompt_tokens_total")) <= prompt_tokens:  # none of them done yet
+            assert time.monotonic() < deadline and sending.is_alive(), "the inputs never ran"
+            time.sleep(0.02)
+        os.kill(httpx.get(server.url + "/health").json()["replicas"][0]["pid"], signal.SIGKILL)
+        sending.join(300)
+        moved = sum(float(line.split()[-1]) for line in httpx.get(server.url + "/metrics").text.splitlines()
+                    if line.startswith("tokenmill:request_migrations_total"))
+        assert moved > 0, ("the kill came after the work: nothing to move", str(answer)[:300])
+        engine = EmbeddingEngine(EngineConfig(model=bert, quantization="none"))
+        reference = engine.embed(many)
+        engine.shutdown()
+        assert len(answer["data"]) == len(many)
+        assert np.allclose([d["embedding"] for d in answer["data"]], reference.numpy(), atol=1e-5)
     with live_server("--model", cross, "--quantization", "none") as server:
         reranked = httpx.post(server.url + "/rerank", json={"query": query, "documents": documents}).json()
         by_index = {r["index"]: r["relevance_score"] for r in reranked["results"]}
