@@ -13,8 +13,12 @@ from tests.test_embeddings import TEXTS, _tiny
 from tokenmill.config import EngineConfig
 from tokenmill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenmill.encoder.engine import EmbeddingEngine
+from tokenmill.encoder.inputs import EncoderInput
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
 
 BUDGET = 48
+POOL = SamplingParams(max_tokens=1, temperature=0.0, pool=True)
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +84,40 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(bert: Path) -> 
         assert not engine.core.scheduler.requests and engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_refused_inputs_and_a_broken_loop_fail_their_requests_only(bert: Path) -> None:
+    engine = EmbeddingEngine(EngineConfig(model=str(bert), quantization="none", max_model_len=64))
+    try:
+        too_long = EncoderInput(list(range(5, 5 + 65)))  # past the checks of make_input: the scheduler refuses it
+        with pytest.raises(ValueError, match="maximum context length is 64"):
+            engine.submit([engine.make_input(TEXTS[0]), too_long]).result(timeout=60)
+        collect = engine._collect
+
+        def broken(output: Any) -> None:
+            engine._collect = collect  # type: ignore[method-assign]
+            raise RuntimeError("broken")
+
+        engine._collect = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="broken"):
+            engine.embed([TEXTS[1]])
+        assert engine.embed([TEXTS[2]]).shape == (1, 64)  # the loop goes on
+        assert not engine.core.scheduler.requests and engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_an_encoder_engine_takes_embedding_requests_only(bert: Path) -> None:
+    engine = LLMEngine.from_config(EngineConfig(model=str(bert), quantization="none", task="embed"))
+    ids = engine.tokenizer.encode("the cat")
+    assert ids[0] == 2 and ids[-1] == 3  # [CLS] ... [SEP], as the model reads it
+    with pytest.raises(ValueError, match="encoder"):
+        engine.add_request("gen", {"prompt_token_ids": ids}, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="token_type_ids"):
+        engine.add_request("types", {"prompt_token_ids": ids, "token_type_ids": [0, 7, 0, 0]}, POOL)
+    engine.add_request("ok", {"prompt_token_ids": ids, "token_type_ids": [0, 0, 1, 1]}, POOL)
+    outputs = [o for _ in range(3) for o in engine.step()]
+    assert [o.request_id for o in outputs] == ["ok"] and len(outputs[0].pooled or []) == 64
+    decoder = LLMEngine.from_config(EngineConfig(quantization="none", num_kv_blocks=64))
+    with pytest.raises(ValueError, match="decoder"):
+        decoder.add_request("types", {"prompt_token_ids": [1, 2], "token_type_ids": [0, 0]}, POOL)

@@ -259,7 +259,8 @@ def _serve(args: argparse.Namespace) -> int:
             ("--distributed-executor-backend ray", options.distributed_executor_backend == "ray"),
             ("--enable-lora / --lora-modules", config.enable_lora or bool(options.lora_modules)),
             ("--speculative-config", config.speculative_config is not None),
-            ("--kv-offload-memory / --kv-cache-dir", bool(config.kv_offload_memory_gb or config.kv_cache_dir)))
+            ("--kv-offload-memory / --kv-cache-dir", bool(config.kv_offload_memory_gb or config.kv_cache_dir)),
+            ("--drift-probe", bool(options.drift_probe)))
             if used]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)} do not apply to an encoder served for embeddings")

@@ -88,11 +88,15 @@ class EmbeddingEngine:
 
     def start(self) -> None:
         with self._lock:
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="tokenmill-embed", daemon=True)
-                self._worker.start()
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="tokenmill-embed", daemon=True)
+            self._worker.start()
 
     def shutdown(self) -> None:
+        """Stop the worker; requests still open fail (a later submit starts a new one)."""
         with self._lock:
             if self._worker is not None:
                 self._jobs.put(None)
@@ -106,9 +110,10 @@ class EmbeddingEngine:
             raise ValueError("no input given")
         if classify and not self.config.is_cross_encoder:
             raise ValueError("this model has no classification head (not a cross-encoder)")
-        self.start()
         job = EmbedJob(inputs, classify)
-        self._jobs.put(job)
+        with self._lock:  # never between a shutdown's stop and its worker's exit: the job would wait for no one
+            self._start_locked()
+            self._jobs.put(job)
         return job.future
 
     def embed(self, texts: Sequence[TextOrTokens], truncate_prompt_tokens: int | None = None) -> torch.Tensor:
@@ -117,36 +122,48 @@ class EmbeddingEngine:
 
     def _run(self) -> None:
         """Take what was submitted (waiting for it while idle), then one engine step; until shut down."""
-        core = self.core
         while True:
-            wait = not core.has_unfinished_requests()
-            while True:
-                try:
-                    job = self._jobs.get(block=wait)
-                except queue.Empty:
-                    break
-                if job is None:
-                    self._fail_open(RuntimeError("the embedding engine stopped"))
-                    return
-                self._add(job)
-                wait = False
-            if not core.has_unfinished_requests():
-                continue
-            started = time.perf_counter()
             try:
-                outputs = core.step()
-            except ModelStepError as exc:  # the step's requests fail; the engine and the other requests go on
-                logger.error("embedding step failed", exc_info=exc.__cause__)
-                failed = set(core.fail_step(exc.plan))
-                for job in {id(job): job for rid, (job, _) in self._open.items() if rid in failed}.values():
-                    self._fail(job, exc.__cause__ or exc)
-                continue
-            record = core.last_step
-            if record is not None and record.plan is not None and record.plan.scheduled:
-                self.stats.batches += 1
-                self.stats.seconds += time.perf_counter() - started
-            for output in outputs:
-                self._collect(output)
+                if not self._take_jobs():
+                    return
+                self._step()
+            except Exception as exc:  # whatever broke, no future waits forever: the open requests fail
+                logger.exception("the embedding engine's loop failed; failing its open requests")
+                self._fail_jobs(exc)
+
+    def _take_jobs(self) -> bool:
+        """Add what was submitted, waiting for something while idle; False once shut down."""
+        wait = not self.core.has_unfinished_requests()
+        while True:
+            try:
+                job = self._jobs.get(block=wait)
+            except queue.Empty:
+                return True
+            if job is None:
+                self._fail_open(RuntimeError("the embedding engine stopped"))
+                return False
+            self._add(job)
+            wait = False
+
+    def _step(self) -> None:
+        core = self.core
+        if not core.has_unfinished_requests():
+            return
+        started = time.perf_counter()
+        try:
+            outputs = core.step()
+        except ModelStepError as exc:  # the step's requests fail; the engine and the other requests go on
+            logger.error("embedding step failed", exc_info=exc.__cause__)
+            failed = set(core.fail_step(exc.plan))
+            for job in {id(job): job for rid, (job, _) in self._open.items() if rid in failed}.values():
+                self._fail(job, exc.__cause__ or exc)
+            return
+        record = core.last_step
+        if record is not None and record.plan is not None and record.plan.scheduled:
+            self.stats.batches += 1
+            self.stats.seconds += time.perf_counter() - started
+        for output in outputs:
+            self._collect(output)
 
     def _add(self, job: EmbedJob) -> None:
         """Each input of `job` as an engine request; a job the scheduler refuses fails whole."""
@@ -192,9 +209,12 @@ class EmbeddingEngine:
         if not job.future.done():
             job.future.set_exception(exc)
 
-    def _fail_open(self, exc: BaseException) -> None:
+    def _fail_jobs(self, exc: BaseException) -> None:
         for job in {id(job): job for job, _ in self._open.values()}.values():
             self._fail(job, exc)
+
+    def _fail_open(self, exc: BaseException) -> None:
+        self._fail_jobs(exc)
         while True:  # and what was queued behind the stop
             try:
                 queued = self._jobs.get_nowait()

@@ -69,6 +69,24 @@ class InputProcessor:
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         return None, list(prompt)
 
+    def _token_type_ids(self, prompt: PromptType, params: SamplingParams, num_tokens: int) -> list[int] | None:
+        """An encoder's segment ids, checked; an encoder takes embedding requests only (its runner computes
+        nothing else), a decoder no segment ids."""
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if self.encoder is None:
+            if token_type_ids is not None:
+                raise ValueError("token_type_ids are an encoder's input: this model is a decoder")
+            return None
+        if not params.pool:
+            raise ValueError("this model is an encoder: it serves embeddings, rerank and scores, not generation")
+        if token_type_ids is None:
+            return None
+        types = [int(t) for t in token_type_ids]
+        if len(types) != num_tokens or not all(0 <= t < self.encoder.config.type_vocab_size for t in types):
+            raise ValueError(f"token_type_ids: one per prompt token, each in [0, "
+                             f"{self.encoder.config.type_vocab_size})")
+        return types
+
     def make_requests(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
         priority: int = 0, strict_max_tokens: bool = False, lora_request: LoRARequest | None = None,
@@ -114,16 +132,14 @@ class InputProcessor:
                         self.eos_token_ids, arrival, priority, text, lora_request)
                 for i in range(params.n)
             ]
-        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
-        if token_type_ids is not None and (not params.pool or len(token_type_ids) != len(token_ids)):
-            raise ValueError("token_type_ids go with an embedding request's prompt_token_ids, one per token")
+        token_type_ids = self._token_type_ids(prompt, params, len(token_ids))
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError("cache_salt must be a non-empty string")
         for child in children:
             # KV computed under an adapter, or rotated for a length, or salted, is shared only with the same
             child.user_cache_salt = salt
-            child.token_type_ids = None if token_type_ids is None else [int(t) for t in token_type_ids]
+            child.token_type_ids = token_type_ids
             child.set_cache_salt(0 if self.cache_salt_of is None else self.cache_salt_of(len(token_ids)))
             check_request_fits(child, self.max_model_len, self.kv_capacity_tokens, self.config.batching == "static")
         return text, token_ids, children

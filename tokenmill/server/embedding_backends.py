@@ -53,9 +53,9 @@ class EngineBackend:
             raise ValueError("this model has no classification head (not a cross-encoder)")
         batch = uuid.uuid4().hex
         streams: list[RequestStream] = []
-        # A request's inputs enter the engine a window at a time (what one step can take): a request of
+        # A request's inputs enter the engine a window at a time (what one step of each replica takes): a request of
         # thousands of inputs (OpenAI allows 2,048) neither fills the waiting queue nor gets a 429 for its size.
-        window = asyncio.Semaphore(max(1, self.llm.config.max_num_seqs))
+        window = asyncio.Semaphore(max(1, self.llm.config.max_num_seqs * len(self.llm.replicas)))
 
         async def embed_one(i: int, item: EncoderInput) -> list[float]:
             async with window:
