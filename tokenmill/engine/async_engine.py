@@ -172,7 +172,7 @@ class AsyncLLM:
         tokenizer and the model's metadata (weights load lazily, so it never reads them)."""
         import concurrent.futures
 
-        from tokenmill.encoder.front import read_encoder_front, serves_encoder
+        from tokenmill.encoder.front import encoder_core_config, read_encoder_front, serves_encoder
         from tokenmill.model.metadata import read_metadata
         from tokenmill.model.tokenizer import Tokenizer
 
@@ -196,8 +196,8 @@ class AsyncLLM:
         capacity = min(r.info.num_kv_blocks * r.info.block_size for r in replicas if r.info is not None)
         if encoder is not None:  # embedding requests only: no end of sequence, no prefix salt, no chat
             tokenizer = encoder.tokenizer.as_tokenizer()
-            processor = InputProcessor(config, tokenizer, encoder.max_model_len, (), encoder.config.vocab_size,
-                                       capacity, encoder=encoder)
+            processor = InputProcessor(encoder_core_config(config, encoder.max_model_len), tokenizer,
+                                       encoder.max_model_len, (), encoder.config.vocab_size, capacity, encoder=encoder)
         else:
             max_model_len, eos = model_limits(loaded.config, tokenizer, config)
             processor = InputProcessor(config, tokenizer, max_model_len, eos, loaded.config.vocab_size, capacity,

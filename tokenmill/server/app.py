@@ -591,7 +591,8 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                 "max_num_seqs %d, max_num_batched_tokens %d",
                 options.served_model_name or default_model_name(config), host, port, len(llm.replicas),
                 "s" if len(llm.replicas) > 1 else "", options.router if len(llm.replicas) > 1 else "-",
-                time.monotonic() - started, llm.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
+                time.monotonic() - started, llm.max_model_len, llm.config.max_num_seqs,
+                llm.config.max_num_batched_tokens)
     # A SIGTERM before uvicorn's handlers are in place (or one it re-raises as it exits) ends the process cleanly.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(state.exit_code))
     server = GracefulServer(
