@@ -61,17 +61,12 @@ class EmbeddingEngine:
         loaded = load_encoder(config)
         front = loaded.front
         self.front = front
-        self.path = front.path
         self.config: EncoderConfig = front.config
         self.pooling: Pooling = front.pooling
         self.normalize = front.normalize
-        self.quantization = loaded.quantization
         self.tokenizer = front.tokenizer
-        self.model = loaded.model
         self.max_model_len = front.max_model_len
         self.core = encoder_core(config, loaded)
-        self.max_num_batched_tokens = self.core.config.max_num_batched_tokens
-        self.max_num_seqs = config.max_num_seqs
         self.stats = EmbeddingStats()
         self._jobs: queue.SimpleQueue[EmbedJob | None] = queue.SimpleQueue()
         self._open: dict[str, tuple[EmbedJob, int]] = {}  # engine request id -> (its job, its input's index)

@@ -37,15 +37,9 @@ class EncoderRunner:
         inputs = [EncoderInput(s.token_ids, s.token_type_ids) for s in scheduled]
         hidden = self.model(inputs)
         vectors = self.model.pool(hidden, [len(i.token_ids) for i in inputs], self.pooling)
+        rows = vectors.tolist()
         classify = [s.sampling_params.pooling_task == "classify" for s in scheduled]
-        logits = self.model.classify(vectors[torch.tensor(classify)]) if any(classify) else None
-        pooled: dict[str, list[float]] = {}
-        next_logits = 0
-        for row, (s, is_classify) in enumerate(zip(scheduled, classify, strict=True)):
-            if is_classify:
-                assert logits is not None
-                pooled[s.request_id] = logits[next_logits].tolist()
-                next_logits += 1
-            else:
-                pooled[s.request_id] = vectors[row].tolist()
-        return ModelRunnerOutput({}, pooled=pooled)
+        if any(classify):  # the head runs on the rows that asked for it; theirs replace their embeddings
+            logits = iter(self.model.classify(vectors[torch.tensor(classify)]).tolist())
+            rows = [next(logits) if wanted else row for wanted, row in zip(classify, rows, strict=True)]
+        return ModelRunnerOutput({}, pooled={s.request_id: row for s, row in zip(scheduled, rows, strict=True)})
