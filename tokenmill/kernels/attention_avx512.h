@@ -1,15 +1,18 @@
 // The AVX-512 block path of paged_attention.c (included there; it uses that file's definitions): blocks of 16
-// tokens, head_dim a multiple of 64, every cache format, and on AVX512-VNNI hosts with VBMI an int8 cache in
-// integer arithmetic.
+// tokens, head_dim a multiple of 64, every cache format, and on AVX512-VNNI hosts with VBMI an int8 cache's
+// scores in integer arithmetic.
 #if defined(__AVX512F__)
 // Blocks of 16 tokens and head_dim a multiple of 64 in AVX-512, over every cache format: one block's 16
 // scores of a row are one register. Per row and block: each score a dot product over head_dim in four
-// interleaved partial sums ((p0 + p1) + (p2 + p3)), the block max as a fixed-order register reduction, e^x by
+// interleaved partial sums ((p0 + p1) + (p2 + p3)), the block max as a fixed-order register reduction (only
+// when a score passes the running max), e^x by
 // exp512_ps, the denominator's 16 partial sums, then acc = acc * correction + sum_t p[t] v[t]. Every row goes
 // through exactly these operations whatever its tile, so batch invariance holds as in the generic path (whose
 // operation order differs: the two paths are never mixed on one machine). bf16 values widen exactly to
-// float32, 8-bit ones are widened and scaled in registers; all arithmetic is float32, except an int8 cache's on
-// VNNI hosts (below).
+// float32, 8-bit ones are widened and scaled in registers; all arithmetic is float32, except an int8 cache's
+// scores on VNNI hosts (below). The sum over V stays float32 for every format: 8-bit softmax weights in
+// vpdpbusd cost Qwen2.5 a seventh of int8 KV's KL to bf16 KV and two of the 21 fidelity prompts, and measured no
+// faster (docs/BENCHMARKS.md "KV cache dtypes").
 int paged_attention_bf16_available(void) { return 1; }
 
 // 16 consecutive stored values as float32: exact for float32/bf16; an 8-bit value before its scale (e4m3
@@ -37,8 +40,9 @@ static inline __attribute__((always_inline)) __m512 kv_scale16(const uint16_t *s
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-// Integer scores over int8 keys (AVX512-VNNI): each score an exact int32 sum over head_dim, so a row's scores
-// do not depend on the rows beside it, then scaled by its query's and the key's scales.
+// Integer scores over int8 keys (AVX512-VNNI): each score two exact int32 sums over head_dim (the query's two
+// planes, paged_attention.c's QuantRow), so a row's scores do not depend on the rows beside it, then scaled by
+// its query's and the key's scales.
 #define INT8_SCORES 1
 int paged_attention_int8_scores(void) { return 1; }
 
@@ -57,8 +61,8 @@ static inline __attribute__((always_inline)) void block_scores16_int8(float out[
     const __m512 key_scales = kv_scale16(ks, KV_INT8);
     for (int r0 = 0; r0 < n_rows; r0 += 8) {
         const int count = n_rows - r0 < 8 ? n_rows - r0 : 8;
-        __m512i acc[8];
-        for (int r = 0; r < count; ++r) acc[r] = _mm512_setzero_si512();
+        __m512i hi[8], lo[8];
+        for (int r = 0; r < count; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
         for (int64_t g = 0; g < head_dim / 4; ++g) {
             if (next_k != NULL && r0 == 0) {  // a line of a later block's K and V per step (see block_scores16)
                 _mm_prefetch(next_k + g * 64, PF_HINT);
@@ -66,52 +70,17 @@ static inline __attribute__((always_inline)) void block_scores16_int8(float out[
             }
             const __m512i k = _mm512_xor_si512(
                 _mm512_permutexvar_epi8(index, _mm512_loadu_si512(kt + g * 64)), bias);
-            for (int r = 0; r < count; ++r)
-                acc[r] = _mm512_dpbusd_epi32(acc[r], k, _mm512_set1_epi32(rows[r0 + r].q4[g]));
+            for (int r = 0; r < count; ++r) {
+                hi[r] = _mm512_dpbusd_epi32(hi[r], k, _mm512_set1_epi32(rows[r0 + r].hi[g]));
+                lo[r] = _mm512_dpbusd_epi32(lo[r], k, _mm512_set1_epi32(rows[r0 + r].lo[g]));
+            }
         }
         for (int r = 0; r < count; ++r) {
-            const __m512 dot = _mm512_cvtepi32_ps(
-                _mm512_sub_epi32(acc[r], _mm512_set1_epi32(rows[r0 + r].correction)));
-            _mm512_storeu_ps(out[r0 + r], _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(rows[r0 + r].scale)),
-                                                        key_scales));
-        }
-    }
-}
-
-// acc[r] = acc[r] * corr[r] + sum_t w_r[t] v[t] over an int8 block for up to 8 rows, the weights w_r (softmax
-// numerators times the values' scales, >= 0) rounded to 8 bits against their row's largest in the block, so
-// that each output is an exact int32 sum over the block's 16 values (vpdpbusd, four tokens a lane), scaled once.
-static inline __attribute__((always_inline)) void accumulate_rows_int8(float acc[][MAX_HEAD_DIM],
-                                                                       const float *corr, float w[][MAX_BLOCK],
-                                                                       const int rows, const int8_t *vb,
-                                                                       int64_t head_dim) {
-    const __m512i index = _mm512_loadu_si512(four_rows_to_words);
-    int32_t w8[8][4];  // each row's 16 weights as bytes, four tokens a word
-    float w_scale[8];
-    for (int r = 0; r < rows; ++r) {
-        const __m512 wv = _mm512_loadu_ps(w[r]);
-        const float w_max = _mm512_reduce_max_ps(wv);
-        w_scale[r] = w_max / 255.0f;
-        const __m512 inverse = _mm512_set1_ps(w_max > 0.0f ? 255.0f / w_max : 0.0f);
-        _mm_storeu_si128((__m128i *)w8[r], _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(wv, inverse))));
-    }
-    for (int64_t d = 0; d < head_dim; d += 16) {
-        __m512i sums[8];
-        for (int r = 0; r < rows; ++r) sums[r] = _mm512_setzero_si512();
-        for (int g = 0; g < 4; ++g) {  // tokens 4g .. 4g + 3: their 16 values at d each
-            const int8_t *v = vb + 4 * g * head_dim + d;
-            __m512i four = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)v));
-            four = _mm512_inserti32x4(four, _mm_loadu_si128((const __m128i *)(v + head_dim)), 1);
-            four = _mm512_inserti32x4(four, _mm_loadu_si128((const __m128i *)(v + 2 * head_dim)), 2);
-            four = _mm512_inserti32x4(four, _mm_loadu_si128((const __m128i *)(v + 3 * head_dim)), 3);
-            const __m512i values = _mm512_permutexvar_epi8(index, four);
-            for (int r = 0; r < rows; ++r)
-                sums[r] = _mm512_dpbusd_epi32(sums[r], _mm512_set1_epi32(w8[r][g]), values);
-        }
-        for (int r = 0; r < rows; ++r) {
-            const __m512 kept = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d), _mm512_set1_ps(corr[r]));
-            _mm512_storeu_ps(acc[r] + d, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(w_scale[r]),
-                                                         kept));
+            const QuantRow *row = rows + r0 + r;
+            const __m512 dot_hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r], _mm512_set1_epi32(row->hi_correction)));
+            const __m512 dot_lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r], _mm512_set1_epi32(row->lo_correction)));
+            const __m512 dot = _mm512_add_ps(dot_hi, _mm512_mul_ps(dot_lo, _mm512_set1_ps(1.0f / 254.0f)));
+            _mm512_storeu_ps(out[r0 + r], _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(row->scale)), key_scales));
         }
     }
 }
@@ -190,6 +159,7 @@ static inline __attribute__((always_inline)) void attend_block16(
     }
     float corr[MAX_TILE];
     int keys[MAX_TILE];  // this block's keys each row sees
+    const __m512 v_scales = kv_scaled(kind) ? kv_scale16(vs, kind) : _mm512_set1_ps(1.0f);
     for (int64_t i = first_row; i < n_rows; ++i) {
         const int64_t left = len[i] - block_start;
         const int n = left < 16 ? (int)left : 16;
@@ -197,26 +167,21 @@ static inline __attribute__((always_inline)) void attend_block16(
         const int before = lo == NULL || lo[i] <= block_start ? 0 : (int)(lo[i] - block_start);
         const __mmask16 mask = (__mmask16)((n == 16 ? 0xFFFFu : (1u << n) - 1) & ~((1u << before) - 1));
         const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(s[i]), _mm512_set1_ps(scale));
-        float block_max = _mm512_mask_reduce_max_ps(mask, sv);
-        block_max = m[i] > block_max ? m[i] : block_max;
-        // exp(-inf) = 0 on the first block; exp(0) = 1 exactly, the common case once the context is long
-        corr[i] = block_max == m[i] ? 1.0f : expf(m[i] - block_max);
+        // the running max holds unless a score passes it (the common case once the context is long: no
+        // reduction, and exp(0) = 1 exactly); on the first block every score passes -inf, and exp(-inf) = 0
+        float block_max = m[i];
+        corr[i] = 1.0f;
+        if (_mm512_mask_cmp_ps_mask(mask, sv, _mm512_set1_ps(m[i]), _CMP_GT_OQ)) {
+            block_max = _mm512_mask_reduce_max_ps(mask, sv);
+            corr[i] = expf(m[i] - block_max);
+        }
         const __m512 p = _mm512_maskz_mov_ps(mask, exp512_ps(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
         // the denominators in 16 lanes, summed once at the end: no horizontal add per block
         _mm512_storeu_ps(l[i], _mm512_fmadd_ps(_mm512_loadu_ps(l[i]), _mm512_set1_ps(corr[i]), p));
-        _mm512_storeu_ps(s[i], kv_scaled(kind) ? _mm512_mul_ps(p, kv_scale16(vs, kind)) : p);
+        _mm512_storeu_ps(s[i], kv_scaled(kind) ? _mm512_mul_ps(p, v_scales) : p);
         m[i] = block_max;
         keys[i] = n;
     }
-#ifdef INT8_SCORES
-    if (kind == KV_INT8) {
-        for (r = first_row; r < n_rows; r += 8) {
-            const int rows = n_rows - r < 8 ? (int)(n_rows - r) : 8;
-            accumulate_rows_int8(acc + r, corr + r, s + r, rows, (const int8_t *)vb, head_dim);
-        }
-        return;
-    }
-#endif
     FOR_RUNS_OF_8_ROWS(accumulate_rows, first_row, n_rows, vb, head_dim, kind);
 }
 
