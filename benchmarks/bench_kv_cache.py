@@ -23,22 +23,24 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tests.real_models import GEMMA3_270M, QWEN25_CODER_05B, fetch
-from tokenmill import LLM
-from tokenmill.bench.machine import memory_bandwidth_gbs
-from tokenmill.bench.report import machine_description, markdown_table, write_section
-from tokenmill.config import EngineConfig
-from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput
-from tokenmill.executor.model_runner import ModelRunner, num_kv_blocks_for
-from tokenmill.model import kv_quant
-from tokenmill.model.loader import load_model
-from tokenmill.model.metadata import bundled_model_path, read_metadata
-from tokenmill.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.real_models import GEMMA3_270M, QWEN25_CODER_05B, fetch  # noqa: E402
+from tokenmill import LLM  # noqa: E402
+from tokenmill.bench.machine import memory_bandwidth_gbs  # noqa: E402
+from tokenmill.bench.report import machine_description, markdown_table, write_section  # noqa: E402
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
+from tokenmill.executor.model_runner import ModelRunner, num_kv_blocks_for  # noqa: E402
+from tokenmill.model import kv_quant  # noqa: E402
+from tokenmill.model.loader import load_model  # noqa: E402
+from tokenmill.model.metadata import bundled_model_path, read_metadata  # noqa: E402
+from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill-peers"))
 BATCHED_BENCH = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-batched-bench"
