@@ -40,9 +40,8 @@ static inline __attribute__((always_inline)) __m512 kv_scale16(const uint16_t *s
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-// Integer scores over int8 keys (AVX512-VNNI): each score two exact int32 sums over head_dim (the query's two
-// planes, paged_attention.c's QuantRow), so a row's scores do not depend on the rows beside it, then scaled by
-// its query's and the key's scales.
+// Integer scores over int8 keys (AVX512-VNNI): each score an exact int32 sum over head_dim, so a row's scores
+// do not depend on the rows beside it, then scaled by its query's and the key's scales.
 #define INT8_SCORES 1
 int paged_attention_int8_scores(void) { return 1; }
 
@@ -61,8 +60,8 @@ static inline __attribute__((always_inline)) void block_scores16_int8(float out[
     const __m512 key_scales = kv_scale16(ks, KV_INT8);
     for (int r0 = 0; r0 < n_rows; r0 += 8) {
         const int count = n_rows - r0 < 8 ? n_rows - r0 : 8;
-        __m512i hi[8], lo[8];
-        for (int r = 0; r < count; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
+        __m512i acc[8];
+        for (int r = 0; r < count; ++r) acc[r] = _mm512_setzero_si512();
         for (int64_t g = 0; g < head_dim / 4; ++g) {
             if (next_k != NULL && r0 == 0) {  // a line of a later block's K and V per step (see block_scores16)
                 _mm_prefetch(next_k + g * 64, PF_HINT);
@@ -70,20 +69,18 @@ static inline __attribute__((always_inline)) void block_scores16_int8(float out[
             }
             const __m512i k = _mm512_xor_si512(
                 _mm512_permutexvar_epi8(index, _mm512_loadu_si512(kt + g * 64)), bias);
-            for (int r = 0; r < count; ++r) {
-                hi[r] = _mm512_dpbusd_epi32(hi[r], k, _mm512_set1_epi32(rows[r0 + r].hi[g]));
-                lo[r] = _mm512_dpbusd_epi32(lo[r], k, _mm512_set1_epi32(rows[r0 + r].lo[g]));
-            }
+            for (int r = 0; r < count; ++r)
+                acc[r] = _mm512_dpbusd_epi32(acc[r], k, _mm512_set1_epi32(rows[r0 + r].q4[g]));
         }
         for (int r = 0; r < count; ++r) {
-            const QuantRow *row = rows + r0 + r;
-            const __m512 dot_hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r], _mm512_set1_epi32(row->hi_correction)));
-            const __m512 dot_lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r], _mm512_set1_epi32(row->lo_correction)));
-            const __m512 dot = _mm512_add_ps(dot_hi, _mm512_mul_ps(dot_lo, _mm512_set1_ps(1.0f / 254.0f)));
-            _mm512_storeu_ps(out[r0 + r], _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(row->scale)), key_scales));
+            const __m512 dot = _mm512_cvtepi32_ps(
+                _mm512_sub_epi32(acc[r], _mm512_set1_epi32(rows[r0 + r].correction)));
+            _mm512_storeu_ps(out[r0 + r], _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(rows[r0 + r].scale)),
+                                                        key_scales));
         }
     }
 }
+
 #endif
 
 // `next_k`/`next_v` (or NULL): a later block's K and V, fetched a line or two per step of the loop (as much

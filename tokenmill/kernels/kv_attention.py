@@ -53,8 +53,8 @@ def attention_bf16_available() -> bool:
 
 def integer_attention(cache: LayerKV) -> bool:
     """Whether the native attention computes this int8 cache's scores in integer arithmetic (AVX512-VNNI with
-    VBMI, blocks of 16, head_dim a multiple of 64): each query row in two int8 planes (its value rounded at
-    amax / 127, then the rounding error in 1/254ths: ~15 bits) for exact int32 scores; the sum over V in float32.
+    VBMI, blocks of 16, head_dim a multiple of 64): each query row quantized to int8 (scale amax / 127) for exact
+    int32 scores; the sum over V in float32.
     Per row: batch invariance holds."""
     lib = load_library("paged_attention")
     k = cache.k

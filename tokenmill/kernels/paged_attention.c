@@ -90,14 +90,12 @@ static inline void accumulate64(float *acc, float correction, const float *p, co
     memcpy(acc, a, sizeof a);
 }
 
-// A query row in two int8 planes for the integer scores over an int8 cache: q ~= scale * (hi + lo / 254), hi
-// rounded to nearest and lo its rounding error in 1/254ths, so the scores keep ~15 bits of the query (one plane
-// alone cost Qwen2.5 a fifth of int8 KV's teacher-forced KL to bf16 KV); four values a word (the operand
-// vpdpbusd broadcasts), and each plane's 128 * sum, taken back from the sums of (k + 128) * q8.
+// A query row in int8 for the integer scores over an int8 cache: q ~= scale * q8, four values a word (the
+// operand vpdpbusd broadcasts), and 128 * sum(q8), taken back from the sums of (k + 128) * q8.
 typedef struct {
-    int32_t hi[MAX_HEAD_DIM / 4], lo[MAX_HEAD_DIM / 4];
+    int32_t q4[MAX_HEAD_DIM / 4];
     float scale;
-    int32_t hi_correction, lo_correction;
+    int32_t correction;
 } QuantRow;
 
 static void quantize_query(const float *q, int64_t head_dim, QuantRow *row) {
@@ -105,19 +103,15 @@ static void quantize_query(const float *q, int64_t head_dim, QuantRow *row) {
     for (int64_t d = 0; d < head_dim; ++d) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
     row->scale = amax / 127.0f;
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t *hi = (int8_t *)row->hi, *lo = (int8_t *)row->lo;
-    int32_t hi_sum = 0, lo_sum = 0;
+    int8_t *bytes = (int8_t *)row->q4;
+    int32_t sum = 0;
     for (int64_t d = 0; d < head_dim; ++d) {
-        const float x = q[d] * inverse;
-        const float rounded = nearbyintf(x);
-        hi[d] = (int8_t)rounded;
-        lo[d] = (int8_t)nearbyintf((x - rounded) * 254.0f);
-        hi_sum += hi[d];
-        lo_sum += lo[d];
+        bytes[d] = (int8_t)nearbyintf(q[d] * inverse);
+        sum += bytes[d];
     }
-    row->hi_correction = 128 * hi_sum;
-    row->lo_correction = 128 * lo_sum;
+    row->correction = 128 * sum;
 }
+
 
 // acc_rows(acc + r, corr + r, s + r, ROWS, keys[r + ROWS - 1], ...) over runs of up to 8 rows from first_row,
 // ROWS a constant in each call so that the run's loops unroll (rows are in position order: a run's last row
