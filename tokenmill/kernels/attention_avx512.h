@@ -46,7 +46,7 @@ static inline __attribute__((always_inline)) __m512 kv_scale16(const uint16_t *s
 int paged_attention_int8_scores(void) { return 1; }
 
 // 4 rows of 16 bytes [4][16] -> 16 words of their 4 bytes each, row order (the operand vpdpbusd takes): 4 key
-// dims of 16 tokens -> per token its 4 dims; 4 tokens' 16 values -> per value index its 4 tokens
+// dims of 16 tokens -> per token its 4 dims
 static const uint8_t four_rows_to_words[64] = {
     0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
     6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,

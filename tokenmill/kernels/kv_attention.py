@@ -54,8 +54,7 @@ def attention_bf16_available() -> bool:
 def integer_attention(cache: LayerKV) -> bool:
     """Whether the native attention computes this int8 cache's scores in integer arithmetic (AVX512-VNNI with
     VBMI, blocks of 16, head_dim a multiple of 64): each query row quantized to int8 (scale amax / 127) for exact
-    int32 scores; the sum over V in float32.
-    Per row: batch invariance holds."""
+    int32 scores; the sum over V in float32. Per row: batch invariance holds."""
     lib = load_library("paged_attention")
     k = cache.k
     return (lib is not None and bool(lib.paged_attention_int8_scores()) and k.dtype == torch.int8
