@@ -1,18 +1,17 @@
 // The AVX-512 block path of paged_attention.c (included there; it uses that file's definitions): blocks of 16
-// tokens, head_dim a multiple of 64, every cache format, and on AVX512-VNNI hosts with VBMI an int8 cache's
-// scores in integer arithmetic.
+// tokens, head_dim a multiple of 64, every cache format; on AVX512-VNNI hosts with VBMI an int8 cache's scores
+// in integer arithmetic, on AVX512-BF16 hosts bf16 dot products.
 #if defined(__AVX512F__)
 // Blocks of 16 tokens and head_dim a multiple of 64 in AVX-512, over every cache format: one block's 16
 // scores of a row are one register. Per row and block: each score a dot product over head_dim in four
 // interleaved partial sums ((p0 + p1) + (p2 + p3)), the block max as a fixed-order register reduction (only
-// when a score passes the running max), e^x by
-// exp512_ps, the denominator's 16 partial sums, then acc = acc * correction + sum_t p[t] v[t]. Every row goes
-// through exactly these operations whatever its tile, so batch invariance holds as in the generic path (whose
-// operation order differs: the two paths are never mixed on one machine). bf16 values widen exactly to
-// float32, 8-bit ones are widened and scaled in registers; all arithmetic is float32, except an int8 cache's
-// scores on VNNI hosts (below). The sum over V stays float32 for every format: 8-bit softmax weights in
-// vpdpbusd cost Qwen2.5 a seventh of int8 KV's KL to bf16 KV and two of the 21 fidelity prompts, and measured no
-// faster (docs/BENCHMARKS.md "KV cache dtypes").
+// when a score passes the running max), e^x by exp512_ps, the denominator's 16 partial sums, then
+// acc = acc * correction + sum_t p[t] v[t]. Every row goes through exactly these operations whatever its tile,
+// so batch invariance holds as in the generic path (whose operation order differs: the two paths are never
+// mixed on one machine). bf16 values widen exactly to float32, 8-bit ones are widened and scaled in registers;
+// the arithmetic is float32, except an int8 cache's scores on VNNI hosts and, on AVX512-BF16 hosts, a bf16
+// cache's scores and every format's sum over V but float32's (below). The weights over V are never 8-bit:
+// vpdpbusd on them cost Qwen2.5 a seventh of int8 KV's KL to bf16 KV and two of the 21 fidelity prompts.
 int paged_attention_bf16_available(void) { return 1; }
 
 // 16 consecutive stored values as float32: exact for float32/bf16; an 8-bit value before its scale (e4m3
@@ -51,7 +50,7 @@ static const uint8_t four_rows_to_words[64] = {
     0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
     6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
     12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
-static inline __attribute__((always_inline)) void block_scores16_int8(float out[][MAX_BLOCK], const QuantRow *rows,
+static inline __attribute__((always_inline)) void block_scores16_int8(float out[][MAX_BLOCK], const QueryRow *rows,
                                                                       int n_rows, const int8_t *kt,
                                                                       const uint16_t *ks, int64_t head_dim,
                                                                       const char *next_k, const char *next_v) {
@@ -70,7 +69,7 @@ static inline __attribute__((always_inline)) void block_scores16_int8(float out[
             const __m512i k = _mm512_xor_si512(
                 _mm512_permutexvar_epi8(index, _mm512_loadu_si512(kt + g * 64)), bias);
             for (int r = 0; r < count; ++r)
-                acc[r] = _mm512_dpbusd_epi32(acc[r], k, _mm512_set1_epi32(rows[r0 + r].q4[g]));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], k, _mm512_set1_epi32(rows[r0 + r].words[g]));
         }
         for (int r = 0; r < count; ++r) {
             const __m512 dot = _mm512_cvtepi32_ps(
@@ -82,6 +81,136 @@ static inline __attribute__((always_inline)) void block_scores16_int8(float out[
 }
 
 #endif
+
+#if defined(__AVX512BF16__)
+// bf16 dot products (vdpbf16ps: two products a lane into float32 at the float multiply-add's rate, so half its
+// instructions). A bf16 cache's scores: each query row rounded to bf16 (the keys are bf16 already), two chains
+// per row (the even and the odd pairs of dims) added at the end, the same for any tile. Every format's sum over
+// V but float32's: each block's softmax weights (times the values' scales) rounded to bf16, as GPU attention
+// kernels round them, against the values as bf16 (8-bit ones exactly, before their scales), in token pairs, in
+// order; the denominator sums the unrounded weights. On this EPYC: prefill attention 1.6x, 16k decode 1.2-1.3x.
+#define BF16_DOTS 1
+int paged_attention_bf16_dots(void) { return 1; }
+
+// two bf16 rows of 16 [2][16] -> 16 words of a token's two values (the operand vdpbf16ps pairs)
+static const uint16_t two_rows_to_pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                               8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+// 32 dims of two tokens' values (a: t, b: t + 1) -> the pairs (v[t][j], v[t + 1][j]) of dims 0-15, of 16-31
+static const uint16_t token_pairs_low[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t token_pairs_high[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+static void bf16_query(const float *q, int64_t head_dim, QueryRow *row) {
+    for (int64_t d = 0; d < head_dim; d += 32)
+        _mm512_storeu_si512(row->words + d / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + d + 16),
+                                                                             _mm512_loadu_ps(q + d)));
+}
+
+static inline __m512bh broadcast_pair(const void *p) {
+    int32_t word;
+    memcpy(&word, p, 4);
+    return (__m512bh)_mm512_set1_epi32(word);
+}
+
+static inline __attribute__((always_inline)) void block_scores16_bf16(float out[][MAX_BLOCK], const QueryRow *rows,
+                                                                      const int count, const uint16_t *kt,
+                                                                      int64_t head_dim, const char *next_k,
+                                                                      const char *next_v) {
+    const __m512i index = _mm512_loadu_si512(two_rows_to_pairs);
+    __m512 even[8], odd[8];
+    for (int r = 0; r < count; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < head_dim / 2; g += 2) {
+        if (next_k != NULL) {  // a line of a later block's K and V per step (see block_scores16)
+            _mm_prefetch(next_k + g * 64, PF_HINT);
+            _mm_prefetch(next_k + g * 64 + 64, PF_HINT);
+            _mm_prefetch(next_v + g * 64, PF_HINT);
+            _mm_prefetch(next_v + g * 64 + 64, PF_HINT);
+        }
+        const __m512bh k0 = (__m512bh)_mm512_permutexvar_epi16(index, _mm512_loadu_si512(kt + g * 32));
+        const __m512bh k1 = (__m512bh)_mm512_permutexvar_epi16(index, _mm512_loadu_si512(kt + g * 32 + 32));
+        for (int r = 0; r < count; ++r) {
+            even[r] = _mm512_dpbf16_ps(even[r], broadcast_pair(rows[r].words + g), k0);
+            odd[r] = _mm512_dpbf16_ps(odd[r], broadcast_pair(rows[r].words + g + 1), k1);
+        }
+    }
+    for (int r = 0; r < count; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(even[r], odd[r]));
+}
+
+// 32 consecutive stored values as bf16: as stored, or an 8-bit value exactly (before its scale, as load_kv)
+static inline __attribute__((always_inline)) __m512i load_kv_bf16x32(const void *base, int64_t index,
+                                                                     const int kind) {
+    if (kind == KV_BF16) return _mm512_loadu_si512((const uint16_t *)base + index);
+    return (__m512i)_mm512_cvtne2ps_pbh(load_kv(base, index + 16, kind), load_kv(base, index, kind));
+}
+
+// acc[r] = acc[r] * corr[r] + sum_{t < n} p_r[t] v[t] as accumulate_rows, with each row's p as bf16 pairs (the
+// first 8 words of s[r]); a lone last token is paired with zeros, never with a slot past the block's keys
+
+static inline __attribute__((always_inline)) void accumulate_rows_bf16(float acc[][MAX_HEAD_DIM], const float *corr,
+                                                                       float s[][MAX_BLOCK], const int rows, int n,
+                                                                       const void *vb, int64_t head_dim,
+                                                                       const int kind) {
+    const __m512i low = _mm512_loadu_si512(token_pairs_low), high = _mm512_loadu_si512(token_pairs_high);
+    for (int64_t d = 0; d < head_dim; d += 32) {
+        __m512 a[8], b[8];
+        for (int r = 0; r < rows; ++r) {
+            a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d), _mm512_set1_ps(corr[r]));
+            b[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d + 16), _mm512_set1_ps(corr[r]));
+        }
+        for (int t = 0; t < n; t += 2) {
+            const __m512i v0 = load_kv_bf16x32(vb, t * head_dim + d, kind);
+            const __m512i v1 =
+                t + 1 < n ? load_kv_bf16x32(vb, (t + 1) * head_dim + d, kind) : _mm512_setzero_si512();
+            const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(v0, low, v1);
+            const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(v0, high, v1);
+            for (int r = 0; r < rows; ++r) {
+                const __m512bh p = broadcast_pair((const uint32_t *)s[r] + t / 2);
+                a[r] = _mm512_dpbf16_ps(a[r], p, lo);
+                b[r] = _mm512_dpbf16_ps(b[r], p, hi);
+            }
+        }
+        for (int r = 0; r < rows; ++r) {
+            _mm512_storeu_ps(acc[r] + d, a[r]);
+            _mm512_storeu_ps(acc[r] + d + 16, b[r]);
+        }
+    }
+}
+#endif
+
+// the formats whose query rows the block path packs (pack_query) for its integer or bf16 dot products
+static inline int packed_query(int64_t kind) {
+#ifdef INT8_SCORES
+    if (kind == KV_INT8) return 1;
+#endif
+#ifdef BF16_DOTS
+    if (kind == KV_BF16) return 1;
+#endif
+    (void)kind;
+    return 0;
+}
+
+static void pack_query(const float *q, int64_t head_dim, int64_t kind, QueryRow *row) {
+#ifdef BF16_DOTS
+    if (kind == KV_BF16) {
+        bf16_query(q, head_dim, row);
+        return;
+    }
+#endif
+    (void)kind;
+    quantize_query(q, head_dim, row);
+}
+#define PACKED_QUERIES 1
+
+// whether the block path takes this format's sum over V in bf16 dot products (every format but float32)
+static inline int bf16_weights(const int kind) {
+#ifdef BF16_DOTS
+    return kind != KV_F32;
+#else
+    (void)kind;
+    return 0;
+#endif
+}
 
 // `next_k`/`next_v` (or NULL): a later block's K and V, fetched a line or two per step of the loop (as much
 // as the step reads of this block): issued all at once, the prefetches fill the core's miss buffers and stall it.
@@ -133,7 +262,7 @@ static inline __attribute__((always_inline)) void accumulate_rows(float acc[][MA
 static inline __attribute__((always_inline)) void attend_block16(
     float acc[][MAX_HEAD_DIM], float *m, float l[][16], float s[][MAX_BLOCK], const float *const *qs, const int64_t *len,
     const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, const void *kt, const void *vb,
-    const uint16_t *ks, const uint16_t *vs, const QuantRow *qr, int64_t head_dim, float scale, const int kind,
+    const uint16_t *ks, const uint16_t *vs, const QueryRow *qr, int64_t head_dim, float scale, const int kind,
     const char *next_k, const char *next_v) {
     int64_t r = first_row;
 #ifdef INT8_SCORES
@@ -141,9 +270,24 @@ static inline __attribute__((always_inline)) void attend_block16(
         block_scores16_int8(s + r, qr + r, (int)(n_rows - r), (const int8_t *)kt, ks, head_dim, next_k, next_v);
         r = n_rows;
     }
-#else
-    (void)qr;
 #endif
+#ifdef BF16_DOTS
+    if (kind == KV_BF16) {
+        for (; r < n_rows; r += 8) {
+            switch (n_rows - r < 8 ? n_rows - r : 8) {  // a constant count per call: its chains stay in registers
+#define SCORES_BF16(COUNT)                                                                                        \
+    case COUNT:                                                                                                   \
+        block_scores16_bf16(s + r, qr + r, COUNT, (const uint16_t *)kt, head_dim, next_k, next_v);                \
+        break;
+                SCORES_BF16(8) SCORES_BF16(7) SCORES_BF16(6) SCORES_BF16(5) SCORES_BF16(4) SCORES_BF16(3)
+                SCORES_BF16(2) SCORES_BF16(1)
+#undef SCORES_BF16
+            }
+            next_k = next_v = NULL;  // fetched once
+        }
+    }
+#endif
+    (void)qr;
     for (; r + 4 <= n_rows; r += 4) {
         block_scores16(s + r, qs + r, kt, ks, head_dim, 4, kind, next_k, next_v);
         next_k = next_v = NULL;  // fetched once
@@ -175,10 +319,23 @@ static inline __attribute__((always_inline)) void attend_block16(
         const __m512 p = _mm512_maskz_mov_ps(mask, exp512_ps(_mm512_sub_ps(sv, _mm512_set1_ps(block_max))));
         // the denominators in 16 lanes, summed once at the end: no horizontal add per block
         _mm512_storeu_ps(l[i], _mm512_fmadd_ps(_mm512_loadu_ps(l[i]), _mm512_set1_ps(corr[i]), p));
-        _mm512_storeu_ps(s[i], kv_scaled(kind) ? _mm512_mul_ps(p, v_scales) : p);
         m[i] = block_max;
         keys[i] = n;
+        const __m512 weights = kv_scaled(kind) ? _mm512_mul_ps(p, v_scales) : p;
+#ifdef BF16_DOTS
+        if (bf16_weights(kind)) {  // as the sum over V takes them: bf16 pairs
+            _mm256_storeu_si256((__m256i *)s[i], (__m256i)_mm512_cvtneps_pbh(weights));
+            continue;
+        }
+#endif
+        _mm512_storeu_ps(s[i], weights);
     }
+#ifdef BF16_DOTS
+    if (bf16_weights(kind)) {
+        FOR_RUNS_OF_8_ROWS(accumulate_rows_bf16, first_row, n_rows, vb, head_dim, kind);
+        return;
+    }
+#endif
     FOR_RUNS_OF_8_ROWS(accumulate_rows, first_row, n_rows, vb, head_dim, kind);
 }
 
@@ -186,7 +343,7 @@ static inline __attribute__((always_inline)) void attend_block16(
 #define ATTEND_BLOCK16(name, kind)                                                                              \
     static void name(float acc[][MAX_HEAD_DIM], float *m, float l[][16], float s[][MAX_BLOCK], const float *const *qs, \
                      const int64_t *len, const int64_t *lo, int64_t first_row, int64_t n_rows, int64_t block_start, \
-                     const void *kt, const void *vb, const uint16_t *ks, const uint16_t *vs, const QuantRow *qr,   \
+                     const void *kt, const void *vb, const uint16_t *ks, const uint16_t *vs, const QueryRow *qr,   \
                      int64_t head_dim, float scale, const char *next_k, const char *next_v) {                     \
         attend_block16(acc, m, l, s, qs, len, lo, first_row, n_rows, block_start, kt, vb, ks, vs, qr, head_dim,    \
                        scale, kind, next_k, next_v);                                                              \
@@ -199,7 +356,7 @@ ATTEND_BLOCK16(attend_block16_e5m2, KV_E5M2)
 #undef ATTEND_BLOCK16
 typedef void (*AttendBlock16)(float[][MAX_HEAD_DIM], float *, float[][16], float[][MAX_BLOCK], const float *const *,
                               const int64_t *, const int64_t *, int64_t, int64_t, int64_t, const void *, const void *,
-                              const uint16_t *, const uint16_t *, const QuantRow *, int64_t, float, const char *,
+                              const uint16_t *, const uint16_t *, const QueryRow *, int64_t, float, const char *,
                               const char *);
 static const AttendBlock16 attend_block16_of[] = {attend_block16_f32, attend_block16_bf16, attend_block16_int8,
                                                   attend_block16_e4m3, attend_block16_e5m2};

@@ -51,6 +51,27 @@ def attention_bf16_available() -> bool:
     return lib is not None and bool(lib.paged_attention_bf16_available())
 
 
+def bf16_dot_attention(cache: LayerKV) -> bool:
+    """Whether the native attention takes this bf16 cache's scores and sum over V in bf16 dot products
+    (AVX512-BF16, blocks of 16, head_dim a multiple of 64): each query row and each block's softmax weights
+    rounded to bf16 (to nearest even, as GPU attention kernels round them), the products summed in float32 (twice
+    the float multiply-add's rate). Per row: batch invariance holds. The denominator sums the unrounded weights."""
+    lib = load_library("paged_attention")
+    k = cache.k
+    return (lib is not None and bool(lib.paged_attention_bf16_dots()) and k.dtype == torch.bfloat16
+            and k.shape[3] == 16 and k.shape[2] % 64 == 0)
+
+
+def bf16_softmax_weights(cache: LayerKV) -> bool:
+    """Whether the native attention's sum over V takes each block's softmax weights (times the values' scales)
+    rounded to bf16, in bf16 dot products: AVX512-BF16, blocks of 16, head_dim a multiple of 64, every format but
+    float32 (whose path stays float32 throughout)."""
+    lib = load_library("paged_attention")
+    k = cache.k
+    return (lib is not None and bool(lib.paged_attention_bf16_dots()) and k.dtype != torch.float32
+            and k.shape[3] == 16 and k.shape[2] % 64 == 0)
+
+
 def integer_attention(cache: LayerKV) -> bool:
     """Whether the native attention computes this int8 cache's scores in integer arithmetic (AVX512-VNNI with
     VBMI, blocks of 16, head_dim a multiple of 64): each query row quantized to int8 (scale amax / 127) for exact

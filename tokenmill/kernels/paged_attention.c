@@ -90,20 +90,21 @@ static inline void accumulate64(float *acc, float correction, const float *p, co
     memcpy(acc, a, sizeof a);
 }
 
-// A query row in int8 for the integer scores over an int8 cache: q ~= scale * q8, four values a word (the
-// operand vpdpbusd broadcasts), and 128 * sum(q8), taken back from the sums of (k + 128) * q8.
+// A query row packed for the dot-product instructions of the AVX-512 block path: an int8 cache's integer scores
+// take q ~= scale * q8, four values a word (the operand vpdpbusd broadcasts), and 128 * sum(q8), taken back from
+// the sums of (k + 128) * q8; a bf16 cache's scores take q rounded to bf16, two values a word (vdpbf16ps's).
 typedef struct {
-    int32_t q4[MAX_HEAD_DIM / 4];
+    int32_t words[MAX_HEAD_DIM / 2];
     float scale;
     int32_t correction;
-} QuantRow;
+} QueryRow;
 
-static void quantize_query(const float *q, int64_t head_dim, QuantRow *row) {
+static void quantize_query(const float *q, int64_t head_dim, QueryRow *row) {
     float amax = 0.0f;
     for (int64_t d = 0; d < head_dim; ++d) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
     row->scale = amax / 127.0f;
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t *bytes = (int8_t *)row->q4;
+    int8_t *bytes = (int8_t *)row->words;
     int32_t sum = 0;
     for (int64_t d = 0; d < head_dim; ++d) {
         bytes[d] = (int8_t)nearbyintf(q[d] * inverse);
@@ -132,6 +133,16 @@ static void quantize_query(const float *q, int64_t head_dim, QuantRow *row) {
 
 #include "attention_avx512.h"
 #include "attention_avx2.h"
+#ifndef BF16_DOTS
+int paged_attention_bf16_dots(void) { return 0; }
+#endif
+#ifndef PACKED_QUERIES  // no dot-product path on this CPU: no query is packed
+static inline int packed_query(int64_t kind) { return (void)kind, 0; }
+static void pack_query(const float *q, int64_t head_dim, int64_t kind, QueryRow *row) {
+    (void)kind;
+    quantize_query(q, head_dim, row);
+}
+#endif
 
 // A block of stored values [rows][cols] as float32 into `tile`, each times its token's scale (8-bit formats; the
 // token is the column of a K block, the row of a V block).
@@ -153,7 +164,7 @@ static void decode_kv_block(const void *src, const uint16_t *scales, int64_t row
 // block. `lo` (sliding windows, else NULL): the first key each row sees. Offsets count elements of the cache
 // (`offset`, `next_offset`: this block's and a later one's, -1 for none) and of the scales (`scale_offset`).
 static void attend_block(float acc[][MAX_HEAD_DIM], float *m, float l[][16], float s[][MAX_BLOCK], const float *const *qs,
-                         const QuantRow *qr, const int64_t *len, const int64_t *lo, int64_t active, int64_t n_rows, int64_t b,
+                         const QueryRow *qr, const int64_t *len, const int64_t *lo, int64_t active, int64_t n_rows, int64_t b,
                          const void *k_cache, const void *v_cache, const uint16_t *k_scale, const uint16_t *v_scale,
                          int64_t offset, int64_t next_offset, int64_t scale_offset, int64_t head_dim,
                          int64_t block_size, float scale, int64_t kind) {
@@ -278,13 +289,9 @@ void paged_attention(
         float acc[MAX_TILE][MAX_HEAD_DIM], m[MAX_TILE], l[MAX_TILE][16], s[MAX_TILE][MAX_BLOCK];
         int64_t len[MAX_TILE], lo[MAX_TILE];
         const float *qs[MAX_TILE];
-#ifdef INT8_SCORES
-        QuantRow qr[kv_kind == KV_INT8 && block_size == 16 && head_dim % 64 == 0 ? MAX_TILE : 1];
-        const int quantized = kv_kind == KV_INT8 && block_size == 16 && head_dim % 64 == 0;
-#else
-        QuantRow qr[1];
-        const int quantized = 0;
-#endif
+        // the query rows packed for the block path's integer or bf16 dot products, when its format takes them
+        const int packed = block_size == 16 && head_dim % 64 == 0 && packed_query(kv_kind);
+        QueryRow qr[packed ? MAX_TILE : 1];
         // row i = (kv head h of this task, row r, head g of its group): each kv head's rows are contiguous
         for (int64_t h = 0; h < heads; ++h)
             for (int64_t r = 0; r < rows; ++r) {
@@ -294,7 +301,7 @@ void paged_attention(
                     len[i] = seq_lens[seq] - q_len + first + r + 1;  // causal: keys up to this row's position
                     lo[i] = window > 0 && len[i] > window ? len[i] - window : 0;
                     qs[i] = q + row * q_row_stride + ((first_head + h) * group + g) * head_dim;
-                    if (quantized) quantize_query(qs[i], head_dim, &qr[i]);
+                    if (packed) pack_query(qs[i], head_dim, kv_kind, &qr[i]);
                     m[i] = -INFINITY;
                     memset(l[i], 0, sizeof l[i]);
                     memset(acc[i], 0, sizeof(float) * head_dim);
@@ -309,7 +316,7 @@ void paged_attention(
             const int64_t ahead = (b + PREFETCH_BLOCKS) * block_size < len[n_rows - 1] ? table[b + PREFETCH_BLOCKS] : -1;
             for (int64_t h = 0; h < heads; ++h) {
                 const int64_t kvh = first_head + h, i = h * n_rows;
-                attend_block(acc + i, m + i, l + i, s + i, qs + i, quantized ? qr + i : NULL, len + i, window > 0 ? lo + i : NULL, active, end,
+                attend_block(acc + i, m + i, l + i, s + i, qs + i, packed ? qr + i : NULL, len + i, window > 0 ? lo + i : NULL, active, end,
                              b, k_cache, v_cache, k_scale, v_scale, (table[b] * num_kv_heads + kvh) * head_block,
                              ahead < 0 ? -1 : (ahead * num_kv_heads + kvh) * head_block,
                              (table[b] * num_kv_heads + kvh) * block_size, head_dim, block_size, scale, kv_kind);
