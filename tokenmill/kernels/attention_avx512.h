@@ -89,6 +89,8 @@ static inline __attribute__((always_inline)) void block_scores16_int8(float out[
 // V but float32's: each block's softmax weights (times the values' scales) rounded to bf16, as GPU attention
 // kernels round them, against the values as bf16 (8-bit ones exactly, before their scales), in token pairs, in
 // order; the denominator sums the unrounded weights. On this EPYC: prefill attention 1.6x, 16k decode 1.2-1.3x.
+// vdpbf16ps flushes denormals: a row whose running sum over V fell below 2^-126 (values all but zero) could lose
+// it to a pair of zero weights that another run's longer last row adds; nothing else depends on the batch.
 #define BF16_DOTS 1
 int paged_attention_bf16_dots(void) { return 1; }
 
@@ -321,7 +323,8 @@ static inline __attribute__((always_inline)) void attend_block16(
         _mm512_storeu_ps(l[i], _mm512_fmadd_ps(_mm512_loadu_ps(l[i]), _mm512_set1_ps(corr[i]), p));
         m[i] = block_max;
         keys[i] = n;
-        const __m512 weights = kv_scaled(kind) ? _mm512_mul_ps(p, v_scales) : p;
+        // masked: the bf16 sum over V pairs a lone last key with the slot after it, whose scale may be stale
+        const __m512 weights = kv_scaled(kind) ? _mm512_maskz_mul_ps(mask, p, v_scales) : p;
 #ifdef BF16_DOTS
         if (bf16_weights(kind)) {  // as the sum over V takes them: bf16 pairs
             _mm256_storeu_si256((__m256i *)s[i], (__m256i)_mm512_cvtneps_pbh(weights));

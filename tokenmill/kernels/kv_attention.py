@@ -68,7 +68,8 @@ def bf16_softmax_weights(cache: LayerKV) -> bool:
     float32 (whose path stays float32 throughout)."""
     lib = load_library("paged_attention")
     k = cache.k
-    return (lib is not None and bool(lib.paged_attention_bf16_dots()) and k.dtype != torch.float32
+    return (lib is not None and bool(lib.paged_attention_bf16_dots())
+            and k.dtype in (torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
             and k.shape[3] == 16 and k.shape[2] % 64 == 0)
 
 
