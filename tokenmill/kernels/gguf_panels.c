@@ -6,8 +6,10 @@
  * blocks of 16 output rows are interleaved as the int8 kernel's weights are (int8_rows.c: one 64-byte vector
  * holds 4 consecutive k of 16 rows), so one `vpdpbusd` with 4 broadcast activations accumulates 16 outputs and
  * no horizontal sum is needed. The bits stay the file's: 4-bit levels two to a byte (the low nibbles k0-3 of a
- * vector's 8 k, the high nibbles k4-7), a 5th and 6th bit as 64-bit masks per vector (added back with one masked
- * byte add), the scales as the file's fp16 bits and 6-bit integers. A panel costs the file's bytes to within 3%
+ * vector's 8 k, the high nibbles k4-7), a 5th and 6th bit as bit planes (one byte per byte position of the
+ * group's vectors holding its 8 levels' bits: AVX-512 takes each level set's bits as a mask with one test and
+ * adds them with one masked byte add, AVX2 with a shift and an and), the scales as the file's fp16 bits and 6-bit
+ * integers. A panel costs the file's bytes to within 3%
  * (Q4_K: 4.625 bits a weight against 4.5) and the file's pages are dropped once packed.
  *
  * Per panel and group of 32 k, for each of 16 rows, with x quantized per group of 32 (quantize_groups: int8
@@ -22,8 +24,9 @@
  * Panel layout, per group of 32 k (in k order; k-quants put a superblock header before every 8th group):
  *   levels  nibble formats: 4 vectors of 64 B, byte [r * 4 + i] of vector v = level(r, 8v + i) | level(r, 8v + 4 + i) << 4
  *           Q8_0: 8 vectors of 64 B, byte [r * 4 + i] of vector v = level(r, 4v + i)
- *   masks   Q5_x: per vector, u64 bit4 of the low nibbles' levels, u64 of the high ones (64 B)
- *           Q6_K: per vector, bit4 low, bit4 high, bit5 low, bit5 high (128 B)
+ *   planes  Q5_x: 64 B, byte j = the 5th bits of the levels at byte j of the 4 vectors: bit 2v the low nibble's
+ *           level in vector v, bit 2v + 1 the high nibble's
+ *           Q6_K: those 64 B for the 5th bits, then 64 B as they are for the 6th
  *   params  Q4_0/Q5_0/Q8_0: fp16 d [16]; Q4_1/Q5_1: fp16 d [16], fp16 m [16]; Q4_K/Q5_K: u8 sc [16], u8 mn [16];
  *           Q6_K: int8 sc [16] of k 0-15, int8 sc [16] of k 16-31
  *   header  Q4_K/Q5_K: fp16 d [16], fp16 dmin [16]; Q6_K: fp16 d [16]
@@ -43,13 +46,13 @@
 static int nibble_format(int type) { return type != T_Q8_0; }
 static int k_quant(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
 
-static int64_t mask_bytes(int type) {
+static int64_t plane_bytes(int type) {
     return type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K ? 64 : type == T_Q6_K ? 128 : 0;
 }
 
 static int64_t param_bytes(int type) { return type == T_Q4_1 || type == T_Q5_1 ? 64 : 32; }
 
-static int64_t group_bytes(int type) { return (nibble_format(type) ? 256 : 512) + mask_bytes(type) + param_bytes(type); }
+static int64_t group_bytes(int type) { return (nibble_format(type) ? 256 : 512) + plane_bytes(type) + param_bytes(type); }
 
 static int64_t header_bytes(int type) { return type == T_Q6_K ? 32 : k_quant(type) ? 64 : 0; }
 
@@ -132,32 +135,32 @@ static void decode_levels(int type, const uint8_t *row, int64_t k, RowParts *out
 
 /* One group's levels (32 k from `first`) of the 16 scratch rows (levels at row * row_stride) into the panel's 4
  * vectors: byte [r * 4 + i] of vector v = level(r, 8v + i) | level(r, 8v + 4 + i) << 4, then the 5th bits (and
- * Q6_K's 6th) of the low and the high nibbles as one u64 each per vector. */
+ * Q6_K's 6th) as bit planes: byte j of a plane holds bit 2v of the low nibble's level at byte j of vector v and
+ * bit 2v + 1 of the high nibble's. */
 static void interleave_nibbles(int type, const uint8_t *levels, int64_t row_stride, int64_t first, uint8_t *dst) {
-    uint64_t *masks = (uint64_t *)(dst + 256);
-    const int mask_words = type == T_Q6_K ? 4 : mask_bytes(type) ? 2 : 0;
+    uint8_t *planes = dst + 256;
+    const int plane_count = type == T_Q6_K ? 2 : plane_bytes(type) ? 1 : 0;
 #if defined(__AVX512BW__)
     // a 32-bit gather takes 4 consecutive levels of each of the 16 rows: bytes in the panel's order already
     const __m512i rows = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)row_stride));
     const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bit5 = _mm512_set1_epi8(0x20);
+    __m512i plane4 = _mm512_setzero_si512(), plane5 = _mm512_setzero_si512();
     for (int v = 0; v < 4; v++) {
         const __m512i lo = _mm512_i32gather_epi32(rows, levels + first + 8 * v, 1);
         const __m512i hi = _mm512_i32gather_epi32(rows, levels + first + 8 * v + 4, 1);
         _mm512_storeu_si512(dst + 64 * v, _mm512_or_si512(_mm512_and_si512(lo, nibble),
                                                           _mm512_slli_epi32(_mm512_and_si512(hi, nibble), 4)));
-        if (mask_words) {
-            uint64_t *m = masks + mask_words * v;
-            m[0] = _mm512_test_epi8_mask(lo, bit4);
-            m[1] = _mm512_test_epi8_mask(hi, bit4);
-            if (mask_words == 4) {
-                m[2] = _mm512_test_epi8_mask(lo, bit5);
-                m[3] = _mm512_test_epi8_mask(hi, bit5);
-            }
-        }
+        const __m512i low_bit = _mm512_set1_epi8((char)(1 << (2 * v))), high_bit = _mm512_set1_epi8((char)(2 << (2 * v)));
+        plane4 = _mm512_or_si512(plane4, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(lo, bit4), low_bit));
+        plane4 = _mm512_or_si512(plane4, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hi, bit4), high_bit));
+        plane5 = _mm512_or_si512(plane5, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(lo, bit5), low_bit));
+        plane5 = _mm512_or_si512(plane5, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hi, bit5), high_bit));
     }
+    if (plane_count >= 1) _mm512_storeu_si512(planes, plane4);
+    if (plane_count == 2) _mm512_storeu_si512(planes + 64, plane5);
 #else
-    if (mask_words) memset(masks, 0, (size_t)mask_bytes(type));
+    if (plane_count) memset(planes, 0, (size_t)plane_bytes(type));
     for (int v = 0; v < 4; v++)
         for (int r = 0; r < PANEL; r++)
             for (int i = 0; i < 4; i++) {
@@ -165,15 +168,9 @@ static void interleave_nibbles(int type, const uint8_t *levels, int64_t row_stri
                 const uint8_t hi = levels[r * row_stride + first + 8 * v + 4 + i];
                 const int byte = r * 4 + i;
                 dst[64 * v + byte] = (uint8_t)((lo & 0x0F) | ((hi & 0x0F) << 4));
-                if (mask_words) {
-                    uint64_t *m = masks + mask_words * v;
-                    m[0] |= (uint64_t)((lo >> 4) & 1) << byte;
-                    m[1] |= (uint64_t)((hi >> 4) & 1) << byte;
-                    if (mask_words == 4) {
-                        m[2] |= (uint64_t)((lo >> 5) & 1) << byte;
-                        m[3] |= (uint64_t)((hi >> 5) & 1) << byte;
-                    }
-                }
+                for (int plane = 0; plane < plane_count; plane++)  // the 5th bits (bit 4), Q6_K's 6th (bit 5)
+                    planes[64 * plane + byte] |= (uint8_t)((((lo >> (4 + plane)) & 1) | (((hi >> (4 + plane)) & 1) << 1))
+                                                           << (2 * v));
             }
 #endif
 }
@@ -257,7 +254,7 @@ void gguf_panels_pack(int type, const uint8_t *blocks, int64_t rows, int64_t k, 
                     dst += header_bytes(type);
                 }
                 interleave_nibbles(type, scratch, scratch_row, 32 * g, dst);
-                dst += 256 + mask_bytes(type);
+                dst += 256 + plane_bytes(type);
                 for (int r = 0; r < PANEL; r++) {
                     if (type == T_Q4_K || type == T_Q5_K) {
                         dst[r] = parts[r].sc[g];

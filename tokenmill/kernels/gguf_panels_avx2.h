@@ -25,17 +25,12 @@ static inline __m256 i8x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-// bytes j of the result: `bit` where bit j of m is set, else 0
-static inline __m256i expand_mask(uint32_t m, __m256i bit) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), spread), select);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, select), bit);
+// bit `index` of each byte of a bit plane moved to bit `to` (4 or 5), the other bits cleared: 16-bit shifts
+// by at most 5 bring no bit across a byte into either position
+static inline __m256i plane_bits(__m256i plane, int index, int to) {
+    const __m256i moved = index < to ? _mm256_slli_epi16(plane, to - index) : _mm256_srli_epi16(plane, index - to);
+    return _mm256_and_si256(moved, _mm256_set1_epi8((char)(1 << to)));
 }
-
-// bits 32h .. 32h + 31 of a vector's u64 mask: its bytes of rows 8h .. 8h + 7
-static inline uint32_t mask_half(const uint8_t *p, int h) { return (uint32_t)word_at(p + 4 * h); }
 
 #if defined(__AVXVNNI__)
 // acc += the sums of 4 products of a (unsigned) and b (signed), as vpdpbusd
@@ -62,7 +57,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int type, con
     // -c; Q8_0 through the sign trick multiplies the signed levels themselves
     const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 ? (SIGNED_Q8 ? 0 : 128) : 0;
     __m256 facc[TILE_MAX][2], oacc[TILE_MAX][2], dv[2], dminv[2];
-    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(16), bit5 = _mm256_set1_epi8(32);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int h = 0; h < 2; h++) dv[h] = dminv[h] = _mm256_setzero_ps();
     for (int u = 0; u < tile; u++)
         for (int h = 0; h < 2; h++) facc[u][h] = oacc[u][h] = _mm256_setzero_ps();
@@ -99,19 +94,19 @@ static inline __attribute__((always_inline)) void panel_tile(const int type, con
                 }
             p += 512;
         } else {
-            const uint8_t *masks = p + 256;
             for (int v = 0; v < 4; v++)
                 for (int h = 0; h < 2; h++) {
                     const __m256i w = _mm256_loadu_si256((const __m256i *)(p + 64 * v + 32 * h));
                     __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-                    if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
-                        lo = _mm256_add_epi8(lo, expand_mask(mask_half(masks + 16 * v, h), bit4));
-                        hi = _mm256_add_epi8(hi, expand_mask(mask_half(masks + 16 * v + 8, h), bit4));
-                    } else if (type == T_Q6_K) {
-                        lo = _mm256_add_epi8(lo, expand_mask(mask_half(masks + 32 * v, h), bit4));
-                        hi = _mm256_add_epi8(hi, expand_mask(mask_half(masks + 32 * v + 8, h), bit4));
-                        lo = _mm256_add_epi8(lo, expand_mask(mask_half(masks + 32 * v + 16, h), bit5));
-                        hi = _mm256_add_epi8(hi, expand_mask(mask_half(masks + 32 * v + 24, h), bit5));
+                    if (plane_bytes(type)) {  // the level's 5th bit (and Q6_K's 6th) from the planes' bytes
+                        const __m256i plane4 = _mm256_loadu_si256((const __m256i *)(p + 256 + 32 * h));
+                        lo = _mm256_or_si256(lo, plane_bits(plane4, 2 * v, 4));
+                        hi = _mm256_or_si256(hi, plane_bits(plane4, 2 * v + 1, 4));
+                    }
+                    if (type == T_Q6_K) {
+                        const __m256i plane5 = _mm256_loadu_si256((const __m256i *)(p + 320 + 32 * h));
+                        lo = _mm256_or_si256(lo, plane_bits(plane5, 2 * v, 5));
+                        hi = _mm256_or_si256(hi, plane_bits(plane5, 2 * v + 1, 5));
                     }
                     for (int u = 0; u < tile; u++) {
                         const int8_t *xq = x[u].q + 32 * g + 8 * v;
@@ -119,7 +114,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int type, con
                         *chain = dot4_pair(*chain, lo, broadcast4_256(xq), hi, broadcast4_256(xq + 4));
                     }
                 }
-            p += 256 + mask_bytes(type);
+            p += 256 + plane_bytes(type);
         }
         // the group's float part, as gguf_panels_avx512.h's per lane
         for (int h = 0; h < 2; h++) {

@@ -18,10 +18,9 @@ static inline __m512 i8x16(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-static inline uint64_t mask_at(const uint8_t *p) {
-    uint64_t m;
-    memcpy(&m, p, 8);
-    return m;
+// the bytes of a bit plane whose bit `index` is set, as a byte mask
+static inline __mmask64 plane_mask(__m512i plane, int index) {
+    return _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(1 << index)));
 }
 
 /* One panel against `tile` tokens: y[u] = the 16 rows' outputs for token u. type and tile are constants in each
@@ -63,18 +62,18 @@ static inline __attribute__((always_inline)) void panel_tile(const int type, con
             }
             p += 512;
         } else {
-            const uint8_t *masks = p + 256;
+            const __m512i plane4 = plane_bytes(type) ? _mm512_loadu_si512(p + 256) : _mm512_setzero_si512();
+            const __m512i plane5 = type == T_Q6_K ? _mm512_loadu_si512(p + 320) : _mm512_setzero_si512();
             for (int v = 0; v < 4; v++) {
                 const __m512i w = _mm512_loadu_si512(p + 64 * v);
                 __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-                if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
-                    lo = _mm512_mask_add_epi8(lo, mask_at(masks + 16 * v), lo, bit4);
-                    hi = _mm512_mask_add_epi8(hi, mask_at(masks + 16 * v + 8), hi, bit4);
-                } else if (type == T_Q6_K) {
-                    lo = _mm512_mask_add_epi8(lo, mask_at(masks + 32 * v), lo, bit4);
-                    hi = _mm512_mask_add_epi8(hi, mask_at(masks + 32 * v + 8), hi, bit4);
-                    lo = _mm512_mask_add_epi8(lo, mask_at(masks + 32 * v + 16), lo, bit5);
-                    hi = _mm512_mask_add_epi8(hi, mask_at(masks + 32 * v + 24), hi, bit5);
+                if (plane_bytes(type)) {
+                    lo = _mm512_mask_add_epi8(lo, plane_mask(plane4, 2 * v), lo, bit4);
+                    hi = _mm512_mask_add_epi8(hi, plane_mask(plane4, 2 * v + 1), hi, bit4);
+                }
+                if (type == T_Q6_K) {
+                    lo = _mm512_mask_add_epi8(lo, plane_mask(plane5, 2 * v), lo, bit5);
+                    hi = _mm512_mask_add_epi8(hi, plane_mask(plane5, 2 * v + 1), hi, bit5);
                 }
                 for (int u = 0; u < tile; u++) {
                     const int8_t *xq = x[u].q + 32 * g + 8 * v;
@@ -90,7 +89,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int type, con
                     }
                 }
             }
-            p += 256 + mask_bytes(type);
+            p += 256 + plane_bytes(type);
         }
         // the group's float part: one multiply-add per token (two for Q6_K's halves), then the offsets
         if (type != T_Q6_K)
