@@ -8,6 +8,8 @@
   straight into the blocks (random values, quantized like any written token in an 8-bit format): a step's time
   does not depend on the values, and 8 x 16k real prompt tokens would take most of an hour to prefill here.
   Dtypes are interleaved, `--repeats` times, so their ratios come from side-by-side runs.
+- Prefill at depth: `--prefill-tokens` new prompt tokens of one sequence after each context (and after none),
+  in chunks of 512: what an agent turn computes once its history comes from the prefix cache or a KV tier.
 - llama.cpp: `llama-batched-bench` (build it beside llamacpp.sh's llama-server:
   `cmake --build ~/.cache/tokenmill-peers/llama.cpp/build --target llama-batched-bench`) on the same file, f16
   and q8_0 K/V (`-ctk/-ctv`, flash attention on, as q8_0 V needs), same contexts: its S_TG column is the same
@@ -45,6 +47,7 @@ from tokenmill.sampling_params import SamplingParams  # noqa: E402
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill-peers"))
 BATCHED_BENCH = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-batched-bench"
 CAPACITY_DTYPES = ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"]
+PREFILL_CHUNK = 512  # prompt tokens a step: the default token budget
 
 
 def capacity_rows(paths: list[str]) -> list[list[object]]:
@@ -101,6 +104,21 @@ def decode_rate(runner: ModelRunner, streams: int, context: int, steps: int) -> 
     for _ in range(steps):
         step()
     return streams * steps / (time.perf_counter() - start)
+
+
+def prefill_rate(runner: ModelRunner, context: int, new_tokens: int, chunk: int) -> float:
+    """Prompt tokens/s of `new_tokens` fed in chunks of `chunk` (the scheduler's token budget) to one sequence whose
+    first `context` tokens are in the pool: an agent turn's shape, its history cached, its new tokens computed."""
+    params = SamplingParams(temperature=0.0)
+    end = context + new_tokens
+    prompt = [100 + i % 1000 for i in range(end)]
+    table = list(range(-(-(end + 1) // runner.block_size)))
+    start = time.perf_counter()
+    for at in range(context, end, chunk):
+        piece = prompt[at:min(at + chunk, end)]
+        plan = ScheduledRequest("p", piece, at, table, at + len(piece) == end, params, prompt, [])
+        runner.execute(SchedulerOutput([plan]))
+    return new_tokens / (time.perf_counter() - start)
 
 
 def llama_rates(path: str, contexts: list[int], streams: list[int], ctk: str, steps: int,
@@ -165,6 +183,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-max-tokens", type=int, default=40000,
                         help="llama.cpp points whose streams x context exceed this are skipped (prefill time)")
+    parser.add_argument("--prefill-tokens", type=int, default=1024,
+                        help="new prompt tokens after each context (0: skip the prefill table)")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--retrieval-tokens", type=int, default=16000, help="0: skip the long-context retrieval")
     parser.add_argument("--no-write", action="store_true")
@@ -189,6 +209,15 @@ def main() -> None:
                     rate = decode_rate(runner, streams, context, args.steps)
                     rates.setdefault((context, streams, dtype), []).append(rate)
             print(context, streams, {d: spread(rates[(context, streams, d)]) for d in args.dtypes}, flush=True)
+    prefill: dict[tuple[int, str], list[float]] = {}
+    if args.prefill_tokens:
+        prefill_rate(next(iter(runners.values())), 0, 64, 512)  # warm-up
+        for context in [0, *args.contexts]:
+            for _ in range(args.repeats):
+                for dtype, runner in runners.items():
+                    rate = prefill_rate(runner, context, args.prefill_tokens, PREFILL_CHUNK)
+                    prefill.setdefault((context, dtype), []).append(rate)
+            print("prefill after", context, {d: spread(prefill[(context, d)]) for d in args.dtypes}, flush=True)
     llama: dict[str, dict[tuple[int, int], float]] = {}
     if not args.no_llama and BATCHED_BENCH.exists():
         for ctk in ("f16", "q8_0"):
@@ -213,6 +242,11 @@ def main() -> None:
                 value = llama["q8_0"].get((context, streams))
                 row.append("-" if value is None or "int8" not in medians else f"{medians['int8'] / value:.2f}x")
             rows.append(row)
+    prefill_rows: list[list[object]] = []
+    for context in [0, *args.contexts] if prefill else []:
+        medians = {d: statistics.median(prefill[(context, d)]) for d in args.dtypes}
+        ratio = f"{medians['int8'] / medians['bfloat16']:.2f}x" if {"int8", "bfloat16"} <= medians.keys() else "-"
+        prefill_rows.append([context, *(spread(prefill[(context, d)]) for d in args.dtypes), ratio])
     text = "\n".join([
         "## KV cache dtypes (`python benchmarks/bench_kv_cache.py`)",
         "",
@@ -231,6 +265,11 @@ def main() -> None:
         "prompt tokens skipped (prefill time).",
         "",
         markdown_table(headers, rows),
+        *(["", f"Prefill tok/s of {args.prefill_tokens:,} new prompt tokens after a context already in the pool (one "
+            f"sequence, chunks of {PREFILL_CHUNK} as the token budget feeds them: an agent turn's shape, its history "
+            f"cached); median (min-max) of {args.repeats} runs, the dtypes interleaved:", "",
+            markdown_table(["context", *(f"{d} KV tok/s" for d in args.dtypes), "int8 / bf16"], prefill_rows)]
+           if prefill_rows else []),
         *(["", f"Long context: a fact placed after the first paragraph of a {prompt_tokens:,}-token chat prompt "
             f"(benchmarks/data/grounded_texts.txt repeated), asked for at the end; greedy answers:", "",
             markdown_table(["KV dtype", "answer", "right"], retrieval_rows)] if retrieval_rows else []),
