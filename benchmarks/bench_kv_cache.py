@@ -194,7 +194,9 @@ def main() -> None:
     print(capacity, flush=True)
     bandwidth = memory_bandwidth_gbs()
     loaded = load_model(path)
-    blocks = max(args.streams) * -(-(max(args.contexts) + args.steps + 2) // 16)
+    # every stream's decode, and one sequence's prefill after the longest context
+    blocks = max(max(args.streams) * -(-(max(args.contexts) + args.steps + 2) // 16),
+                 -(-(max(args.contexts) + args.prefill_tokens + 1) // 16))
     runners = {}
     for dtype in args.dtypes:
         runners[dtype] = ModelRunner(EngineConfig(model=path, kv_cache_dtype=dtype, num_kv_blocks=blocks),

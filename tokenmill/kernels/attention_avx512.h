@@ -146,14 +146,34 @@ static inline __attribute__((always_inline)) __m512i load_kv_bf16x32(const void 
     return (__m512i)_mm512_cvtne2ps_pbh(load_kv(base, index + 16, kind), load_kv(base, index, kind));
 }
 
-// acc[r] = acc[r] * corr[r] + sum_{t < n} p_r[t] v[t] as accumulate_rows, with each row's p as bf16 pairs (the
-// first 8 words of s[r]); a lone last token is paired with zeros, never with a slot past the block's keys
+// The values of tokens t and t + 1 (t even) at dims d .. d + 31 as the pairs vdpbf16ps takes: dims d .. d + 15
+// in `lo`, the rest in `hi`; a lone last token (t + 1 == n) is paired with zeros, never with a slot past the keys
+static inline __attribute__((always_inline)) void pair_tokens(const void *vb, int t, int n, int64_t d,
+                                                              int64_t head_dim, const int kind, __m512i *lo,
+                                                              __m512i *hi) {
+    const __m512i v0 = load_kv_bf16x32(vb, t * head_dim + d, kind);
+    const __m512i v1 = t + 1 < n ? load_kv_bf16x32(vb, (t + 1) * head_dim + d, kind) : _mm512_setzero_si512();
+    *lo = _mm512_permutex2var_epi16(v0, _mm512_loadu_si512(token_pairs_low), v1);
+    *hi = _mm512_permutex2var_epi16(v0, _mm512_loadu_si512(token_pairs_high), v1);
+}
 
+// a block's first n values paired once ([head_dim / 32][token pair][lo, hi]) for several runs of rows to read
+static inline __attribute__((always_inline)) void pair_block(__m512i *pairs, const void *vb, int n, int64_t head_dim,
+                                                             const int kind) {
+    for (int64_t d = 0; d < head_dim; d += 32)
+        for (int t = 0; t < n; t += 2) {
+            __m512i *at = pairs + ((d / 32) * 8 + t / 2) * 2;
+            pair_tokens(vb, t, n, d, head_dim, kind, at, at + 1);
+        }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_{t < n} p_r[t] v[t] as accumulate_rows, with each row's p as bf16 pairs (the
+// first 8 words of s[r]) and the values paired here or read from `paired` (pair_block over at least n keys: a
+// row's weight past its own keys is 0, so the slot a lone last key is paired with adds 0 either way)
 static inline __attribute__((always_inline)) void accumulate_rows_bf16(float acc[][MAX_HEAD_DIM], const float *corr,
                                                                        float s[][MAX_BLOCK], const int rows, int n,
                                                                        const void *vb, int64_t head_dim,
-                                                                       const int kind) {
-    const __m512i low = _mm512_loadu_si512(token_pairs_low), high = _mm512_loadu_si512(token_pairs_high);
+                                                                       const int kind, const __m512i *paired) {
     for (int64_t d = 0; d < head_dim; d += 32) {
         __m512 a[8], b[8];
         for (int r = 0; r < rows; ++r) {
@@ -161,15 +181,17 @@ static inline __attribute__((always_inline)) void accumulate_rows_bf16(float acc
             b[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d + 16), _mm512_set1_ps(corr[r]));
         }
         for (int t = 0; t < n; t += 2) {
-            const __m512i v0 = load_kv_bf16x32(vb, t * head_dim + d, kind);
-            const __m512i v1 =
-                t + 1 < n ? load_kv_bf16x32(vb, (t + 1) * head_dim + d, kind) : _mm512_setzero_si512();
-            const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(v0, low, v1);
-            const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(v0, high, v1);
+            __m512i lo, hi;
+            if (paired != NULL) {
+                lo = paired[((d / 32) * 8 + t / 2) * 2];
+                hi = paired[((d / 32) * 8 + t / 2) * 2 + 1];
+            } else {
+                pair_tokens(vb, t, n, d, head_dim, kind, &lo, &hi);
+            }
             for (int r = 0; r < rows; ++r) {
                 const __m512bh p = broadcast_pair((const uint32_t *)s[r] + t / 2);
-                a[r] = _mm512_dpbf16_ps(a[r], p, lo);
-                b[r] = _mm512_dpbf16_ps(b[r], p, hi);
+                a[r] = _mm512_dpbf16_ps(a[r], p, (__m512bh)lo);
+                b[r] = _mm512_dpbf16_ps(b[r], p, (__m512bh)hi);
             }
         }
         for (int r = 0; r < rows; ++r) {
@@ -335,7 +357,15 @@ static inline __attribute__((always_inline)) void attend_block16(
     }
 #ifdef BF16_DOTS
     if (bf16_weights(kind)) {
-        FOR_RUNS_OF_8_ROWS(accumulate_rows_bf16, first_row, n_rows, vb, head_dim, kind);
+        // an 8-bit block under several runs of rows (prompt chunks): its values widened and paired once, not once a
+        // run (a bf16 block's pairing is one instruction per vector: cheaper than a store and a load; measured)
+        if (kind != KV_BF16 && n_rows - first_row > 8) {
+            __m512i paired[MAX_HEAD_DIM / 32 * 16];
+            pair_block(paired, vb, keys[n_rows - 1], head_dim, kind);
+            FOR_RUNS_OF_8_ROWS(accumulate_rows_bf16, first_row, n_rows, vb, head_dim, kind, paired);
+        } else {
+            FOR_RUNS_OF_8_ROWS(accumulate_rows_bf16, first_row, n_rows, vb, head_dim, kind, NULL);
+        }
         return;
     }
 #endif
