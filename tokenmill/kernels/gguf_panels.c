@@ -287,7 +287,7 @@ typedef struct {
 // all of them give the same bits).
 typedef void (*PanelFn)(const uint8_t *, int64_t, const Token *, float (*)[PANEL]);
 
-// 4 bytes as one int32 (4 activations to broadcast, or 32 mask bits), at any alignment
+// 4 bytes as one int32 (4 activations to broadcast), at any alignment
 static inline int32_t word_at(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
