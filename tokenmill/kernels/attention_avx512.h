@@ -139,6 +139,9 @@ static inline __attribute__((always_inline)) void block_scores16_bf16(float out[
     for (int r = 0; r < count; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(even[r], odd[r]));
 }
 
+// whether the block path takes this format's sum over V in bf16 dot products (every format but float32)
+static inline int bf16_weights(const int kind) { return kind != KV_F32; }
+
 // 32 consecutive stored values as bf16: as stored, or an 8-bit value exactly (before its scale, as load_kv)
 static inline __attribute__((always_inline)) __m512i load_kv_bf16x32(const void *base, int64_t index,
                                                                      const int kind) {
@@ -225,16 +228,6 @@ static void pack_query(const float *q, int64_t head_dim, int64_t kind, QueryRow 
     quantize_query(q, head_dim, row);
 }
 #define PACKED_QUERIES 1
-
-// whether the block path takes this format's sum over V in bf16 dot products (every format but float32)
-static inline int bf16_weights(const int kind) {
-#ifdef BF16_DOTS
-    return kind != KV_F32;
-#else
-    (void)kind;
-    return 0;
-#endif
-}
 
 // `next_k`/`next_v` (or NULL): a later block's K and V, fetched a line or two per step of the loop (as much
 // as the step reads of this block): issued all at once, the prefetches fill the core's miss buffers and stall it.

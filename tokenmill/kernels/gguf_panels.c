@@ -151,11 +151,16 @@ static void interleave_nibbles(int type, const uint8_t *levels, int64_t row_stri
         const __m512i hi = _mm512_i32gather_epi32(rows, levels + first + 8 * v + 4, 1);
         _mm512_storeu_si512(dst + 64 * v, _mm512_or_si512(_mm512_and_si512(lo, nibble),
                                                           _mm512_slli_epi32(_mm512_and_si512(hi, nibble), 4)));
-        const __m512i low_bit = _mm512_set1_epi8((char)(1 << (2 * v))), high_bit = _mm512_set1_epi8((char)(2 << (2 * v)));
-        plane4 = _mm512_or_si512(plane4, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(lo, bit4), low_bit));
-        plane4 = _mm512_or_si512(plane4, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hi, bit4), high_bit));
-        plane5 = _mm512_or_si512(plane5, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(lo, bit5), low_bit));
-        plane5 = _mm512_or_si512(plane5, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hi, bit5), high_bit));
+        const __m512i low_bit = _mm512_set1_epi8((char)(1 << (2 * v)));
+        const __m512i high_bit = _mm512_set1_epi8((char)(2 << (2 * v)));
+        if (plane_count >= 1) {
+            plane4 = _mm512_or_si512(plane4, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(lo, bit4), low_bit));
+            plane4 = _mm512_or_si512(plane4, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hi, bit4), high_bit));
+        }
+        if (plane_count == 2) {
+            plane5 = _mm512_or_si512(plane5, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(lo, bit5), low_bit));
+            plane5 = _mm512_or_si512(plane5, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hi, bit5), high_bit));
+        }
     }
     if (plane_count >= 1) _mm512_storeu_si512(planes, plane4);
     if (plane_count == 2) _mm512_storeu_si512(planes + 64, plane5);
@@ -168,9 +173,10 @@ static void interleave_nibbles(int type, const uint8_t *levels, int64_t row_stri
                 const uint8_t hi = levels[r * row_stride + first + 8 * v + 4 + i];
                 const int byte = r * 4 + i;
                 dst[64 * v + byte] = (uint8_t)((lo & 0x0F) | ((hi & 0x0F) << 4));
-                for (int plane = 0; plane < plane_count; plane++)  // the 5th bits (bit 4), Q6_K's 6th (bit 5)
-                    planes[64 * plane + byte] |= (uint8_t)((((lo >> (4 + plane)) & 1) | (((hi >> (4 + plane)) & 1) << 1))
-                                                           << (2 * v));
+                for (int plane = 0; plane < plane_count; plane++) {  // the 5th bits (bit 4), Q6_K's 6th (bit 5)
+                    const int low_bit = (lo >> (4 + plane)) & 1, high_bit = (hi >> (4 + plane)) & 1;
+                    planes[64 * plane + byte] |= (uint8_t)((low_bit | high_bit << 1) << (2 * v));
+                }
             }
 #endif
 }

@@ -51,36 +51,36 @@ def attention_bf16_available() -> bool:
     return lib is not None and bool(lib.paged_attention_bf16_available())
 
 
-def bf16_dot_attention(cache: LayerKV) -> bool:
-    """Whether the native attention takes this bf16 cache's scores and sum over V in bf16 dot products
-    (AVX512-BF16, blocks of 16, head_dim a multiple of 64): each query row and each block's softmax weights
-    rounded to bf16 (to nearest even, as GPU attention kernels round them), the products summed in float32 (twice
-    the float multiply-add's rate). Per row: batch invariance holds. The denominator sums the unrounded weights."""
+def _block_path(cache: LayerKV, flag: str, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether the kernel's AVX-512 block path (blocks of 16, head_dim a multiple of 64) takes this cache, in one of
+    `dtypes`, with the arithmetic the library's `flag` function says this build has."""
     lib = load_library("paged_attention")
     k = cache.k
-    return (lib is not None and bool(lib.paged_attention_bf16_dots()) and k.dtype == torch.bfloat16
-            and k.shape[3] == 16 and k.shape[2] % 64 == 0)
+    return (lib is not None and bool(getattr(lib, flag)()) and k.dtype in dtypes and k.shape[3] == 16
+            and k.shape[2] % 64 == 0)
+
+
+def bf16_dot_attention(cache: LayerKV) -> bool:
+    """Whether the native attention takes this bf16 cache's scores and sum over V in bf16 dot products
+    (AVX512-BF16): each query row and each block's softmax weights rounded to bf16 (to nearest even, as GPU
+    attention kernels round them), the products summed in float32 (twice the float multiply-add's rate). Per row:
+    batch invariance holds. The denominator sums the unrounded weights."""
+    return _block_path(cache, "paged_attention_bf16_dots", (torch.bfloat16,))
 
 
 def bf16_softmax_weights(cache: LayerKV) -> bool:
     """Whether the native attention's sum over V takes each block's softmax weights (times the values' scales)
-    rounded to bf16, in bf16 dot products: AVX512-BF16, blocks of 16, head_dim a multiple of 64, every format but
-    float32 (whose path stays float32 throughout)."""
-    lib = load_library("paged_attention")
-    k = cache.k
-    return (lib is not None and bool(lib.paged_attention_bf16_dots())
-            and k.dtype in (torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
-            and k.shape[3] == 16 and k.shape[2] % 64 == 0)
+    rounded to bf16, in bf16 dot products (AVX512-BF16): every format the kernel reads but float32 (whose path
+    stays float32 throughout)."""
+    return _block_path(cache, "paged_attention_bf16_dots",
+                       (torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 def integer_attention(cache: LayerKV) -> bool:
     """Whether the native attention computes this int8 cache's scores in integer arithmetic (AVX512-VNNI with
-    VBMI, blocks of 16, head_dim a multiple of 64): each query row quantized to int8 (scale amax / 127) for exact
-    int32 scores; the sum over V in float32. Per row: batch invariance holds."""
-    lib = load_library("paged_attention")
-    k = cache.k
-    return (lib is not None and bool(lib.paged_attention_int8_scores()) and k.dtype == torch.int8
-            and k.shape[3] == 16 and k.shape[2] % 64 == 0)
+    VBMI): each query row quantized to int8 (scale amax / 127) for exact int32 scores; the sum over V as
+    bf16_softmax_weights says. Per row: batch invariance holds."""
+    return _block_path(cache, "paged_attention_int8_scores", (torch.int8,))
 
 
 def bf16_cache_supported(head_dim: int, block_size: int) -> bool:

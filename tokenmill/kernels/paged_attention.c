@@ -113,7 +113,6 @@ static void quantize_query(const float *q, int64_t head_dim, QueryRow *row) {
     row->correction = 128 * sum;
 }
 
-
 // acc_rows(acc + r, corr + r, s + r, ROWS, keys[r + ROWS - 1], ...) over runs of up to 8 rows from first_row,
 // ROWS a constant in each call so that the run's loops unroll (rows are in position order: a run's last row
 // sees the most keys)
